@@ -1,0 +1,1 @@
+"""The patch engine: fix catalog, series application, probes and manifest."""

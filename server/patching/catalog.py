@@ -1,0 +1,177 @@
+"""The fix catalog (`patches/catalog.toml`) and the per-release series beside it.
+
+The catalog says, for every fix and every supported release, whether the release
+needs our patch (`patched`), already ships the fix (`upstream`), or never had the
+affected code (`not-affected`). Each release folder `patches/vllm-<release>/`
+holds a `series` file (application order) and the patch files it names. The two
+must agree; `load()` refuses a catalog where they do not, so a mistake in the
+data fails every command and every test instead of silently skipping a fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tomllib
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+
+class CatalogError(Exception):
+    """The catalog or a series is inconsistent, or a release is unknown."""
+
+
+class Status(str, Enum):
+    PATCHED = "patched"
+    UPSTREAM = "upstream"
+    NOT_AFFECTED = "not-affected"
+
+
+@dataclass(frozen=True)
+class ReleaseStatus:
+    status: Status
+    reason: str
+    patches: tuple[str, ...] = ()
+    since: str | None = None  # first release carrying the fix, for `upstream`
+
+
+@dataclass(frozen=True)
+class Fix:
+    id: str
+    title: str
+    symptom: str
+    models: tuple[str, ...]
+    layouts: tuple[str, ...]
+    seeds: tuple[str, ...]
+    upstream: tuple[str, ...]
+    releases: dict[str, ReleaseStatus]
+
+    def on(self, release: str) -> ReleaseStatus:
+        return self.releases[release]
+
+
+@dataclass(frozen=True)
+class Series:
+    """The ordered patch files of one release, with a digest of their bytes."""
+
+    release: str
+    directory: Path
+    patches: tuple[str, ...]
+    digest: str
+
+    def text(self, patch: str) -> str:
+        return (self.directory / patch).read_bytes().decode("utf-8")
+
+
+@dataclass(frozen=True)
+class Catalog:
+    root: Path
+    releases: tuple[str, ...]
+    fixes: tuple[Fix, ...]
+
+    def fix(self, fix_id: str) -> Fix:
+        for fix in self.fixes:
+            if fix.id == fix_id:
+                return fix
+        raise CatalogError(f"unknown fix {fix_id!r}")
+
+    def release_of(self, version: str) -> str:
+        """The supported release a version string belongs to, or a clear refusal."""
+        release = version.split("+", 1)[0]  # local builds: 0.33.0+cu130 is 0.33.0
+        if release not in self.releases:
+            raise CatalogError(
+                f"vLLM {version} is not a supported release; supported: "
+                + ", ".join(self.releases)
+            )
+        return release
+
+    def series(self, release: str) -> Series:
+        directory = self.root / f"vllm-{release}"
+        series_file = directory / "series"
+        names = tuple(
+            line.strip()
+            for line in series_file.read_text(encoding="utf-8").splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        )
+        digest = hashlib.sha256()
+        digest.update(series_file.read_bytes())
+        for name in names:
+            digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+        return Series(release, directory, names, digest.hexdigest())
+
+    def fix_of_patch(self, release: str, patch: str) -> Fix:
+        for fix in self.fixes:
+            if patch in fix.on(release).patches:
+                return fix
+        raise CatalogError(f"vllm-{release}/{patch} belongs to no fix")
+
+
+def default_root() -> Path:
+    """Where the catalog lives: $MLA_SERVE_PATCHES, the installed copy, or the checkout."""
+    override = os.environ.get("MLA_SERVE_PATCHES")
+    if override:
+        return Path(override)
+    packaged = Path(__file__).resolve().parent.parent / "_patches"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "patches"
+
+
+def load(root: Path | None = None) -> Catalog:
+    root = root or default_root()
+    path = root / "catalog.toml"
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CatalogError(f"no fix catalog at {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise CatalogError(f"{path}: {error}") from None
+    releases = tuple(data["releases"])
+    fixes = tuple(_fix(entry, releases) for entry in data["fix"])
+    catalog = Catalog(root=root, releases=releases, fixes=fixes)
+    _check_series(catalog)
+    return catalog
+
+
+def _fix(entry: dict, releases: tuple[str, ...]) -> Fix:
+    fix_id = entry["id"]
+    statuses: dict[str, ReleaseStatus] = {}
+    for release in releases:
+        raw = entry["releases"].get(release)
+        if raw is None:
+            raise CatalogError(f"fix {fix_id}: no status for release {release}")
+        status = Status(raw["status"])
+        patches = tuple(raw.get("patches", ()))
+        if (status is Status.PATCHED) != bool(patches):
+            raise CatalogError(f"fix {fix_id} on {release}: 'patched' and patch files go together")
+        if status is Status.UPSTREAM and not raw.get("since"):
+            raise CatalogError(f"fix {fix_id} on {release}: 'upstream' needs 'since'")
+        statuses[release] = ReleaseStatus(status, raw["reason"], patches, raw.get("since"))
+    return Fix(
+        id=fix_id,
+        title=entry["title"],
+        symptom=entry["symptom"],
+        models=tuple(entry["models"]),
+        layouts=tuple(entry["layouts"]),
+        seeds=tuple(entry["seeds"]),
+        upstream=tuple(entry["upstream"]),
+        releases=statuses,
+    )
+
+
+def _check_series(catalog: Catalog) -> None:
+    for release in catalog.releases:
+        directory = catalog.root / f"vllm-{release}"
+        if not (directory / "series").is_file():
+            raise CatalogError(f"release {release} has no series file in {directory}")
+        series = catalog.series(release)
+        claimed = [p for fix in catalog.fixes for p in fix.on(release).patches]
+        if sorted(claimed) != sorted(series.patches) or len(set(claimed)) != len(claimed):
+            raise CatalogError(
+                f"vllm-{release}/series lists {list(series.patches)} but the catalog "
+                f"assigns {claimed}"
+            )
+        for name in series.patches:
+            if not (directory / name).is_file():
+                raise CatalogError(f"vllm-{release}/series names a missing file {name}")

@@ -1,0 +1,93 @@
+"""Human and JSON renderings of the catalog and of a tree's fix states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.patching.catalog import Catalog
+from server.patching.engine import FixState
+
+_SHORT = {"patched": "patched", "upstream": "upstream", "not-affected": "n/a"}
+
+
+def matrix(catalog: Catalog, current: str | None = None, states: list[FixState] | None = None) -> str:
+    """Fix × release table; the `current` release's column also shows probe results."""
+    by_id = {s.fix.id: s for s in states or []}
+    width = max(len(f.id) for f in catalog.fixes)
+    headers = [f"[{r}]" if r == current else r for r in catalog.releases]
+    cells = {
+        fix.id: [
+            _cell(fix.on(release).status.value, by_id.get(fix.id) if release == current else None)
+            for release in catalog.releases
+        ]
+        for fix in catalog.fixes
+    }
+    widths = [max(len(h), *(len(cells[f.id][i]) for f in catalog.fixes)) for i, h in enumerate(headers)]
+    lines = ["fix".ljust(width) + "  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    for fix in catalog.fixes:
+        row = "  ".join(c.ljust(w) for c, w in zip(cells[fix.id], widths, strict=True))
+        lines.append(fix.id.ljust(width) + "  " + row)
+    lines.append("n/a = not affected (the release never had the code)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(status: str, state: FixState | None) -> str:
+    label = _SHORT[status]
+    return label if state is None else f"{label}:{state.probe.word}"
+
+
+def catalog_json(catalog: Catalog) -> dict[str, Any]:
+    return {
+        "releases": list(catalog.releases),
+        "fixes": [
+            {
+                "id": fix.id,
+                "title": fix.title,
+                "symptom": fix.symptom,
+                "models": list(fix.models),
+                "layouts": list(fix.layouts),
+                "seeds": list(fix.seeds),
+                "upstream": list(fix.upstream),
+                "releases": {
+                    release: {
+                        "status": claim.status.value,
+                        "reason": claim.reason,
+                        "patches": list(claim.patches),
+                        "since": claim.since,
+                    }
+                    for release, claim in fix.releases.items()
+                },
+            }
+            for fix in catalog.fixes
+        ],
+    }
+
+
+def states_json(version: str, release: str, states: list[FixState]) -> dict[str, Any]:
+    return {
+        "vllm_version": version,
+        "release": release,
+        "fixes": [
+            {
+                "id": s.fix.id,
+                "status": s.status.value,
+                "probe": s.probe.word,
+                "detail": s.probe.detail,
+            }
+            for s in states
+        ],
+    }
+
+
+def details(catalog: Catalog) -> str:
+    """Each fix's title, symptom and references, for `patches list --verbose`."""
+    blocks = []
+    for fix in catalog.fixes:
+        blocks.append(
+            f"{fix.id}: {fix.title}\n"
+            f"  symptom:  {fix.symptom}\n"
+            f"  models:   {', '.join(fix.models)}\n"
+            f"  layouts:  {', '.join(fix.layouts)}\n"
+            f"  upstream: {', '.join(fix.upstream)}"
+        )
+    return "\n\n".join(blocks)

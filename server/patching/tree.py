@@ -1,0 +1,100 @@
+"""Find a vLLM source tree and tell which release it is.
+
+A tree is the directory that contains the `vllm/` package: site-packages of an
+installed vLLM, or an unpacked wheel. The release is read from the package's
+own `vllm/_version.py` (written by vLLM's build), never by importing vLLM, so
+it works without torch and without side effects.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+
+class TreeError(Exception):
+    """No usable vLLM tree where one was asked for."""
+
+
+@dataclass(frozen=True)
+class VllmTree:
+    """A tree on disk, optionally seen through pending edits (`overlay`).
+
+    The overlay lets probes judge a series' result before anything is written.
+    """
+
+    root: Path
+    version: str
+    commit: str | None
+    overlay: Mapping[str, str | None] = field(default_factory=dict)
+
+    def with_overlay(self, files: Mapping[str, str | None]) -> VllmTree:
+        return replace(self, overlay={**self.overlay, **files})
+
+    @property
+    def package(self) -> Path:
+        return self.root / "vllm"
+
+    def file(self, relative: str) -> Path:
+        return self.root / relative
+
+    def read(self, relative: str) -> str | None:
+        """The text of a tree file, or None when the release does not have it."""
+        if relative in self.overlay:
+            return self.overlay[relative]
+        path = self.root / relative
+        # Bytes decoded as they are: read_text() would turn CRLF into LF.
+        return path.read_bytes().decode("utf-8") if path.is_file() else None
+
+
+def locate(target: Path | None) -> VllmTree:
+    """The tree at `target`, or the vLLM installed in this interpreter."""
+    if target is None:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            raise TreeError(
+                "no vLLM is installed in this Python; pass --target DIR "
+                "(the directory that contains the vllm/ package)"
+            )
+        root = Path(next(iter(spec.submodule_search_locations))).parent
+    else:
+        root = target.resolve()
+        if (root / "__init__.py").is_file() and root.name == "vllm":
+            root = root.parent  # tolerate being pointed at the package itself
+    if not (root / "vllm" / "__init__.py").is_file():
+        raise TreeError(f"{root} does not contain a vllm/ package")
+    version, commit = _read_version(root)
+    return VllmTree(root=root, version=version, commit=commit)
+
+
+def _read_version(root: Path) -> tuple[str, str | None]:
+    version_file = root / "vllm" / "_version.py"
+    if version_file.is_file():
+        values = _assigned_strings(version_file.read_text(encoding="utf-8"))
+        if "__version__" in values:
+            return values["__version__"], values.get("__commit_id__")
+    for metadata in sorted(root.glob("vllm-*.dist-info/METADATA")):
+        for line in metadata.read_text(encoding="utf-8").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip(), None
+    raise TreeError(f"cannot tell the vLLM release of {root}: no vllm/_version.py or dist-info")
+
+
+def _assigned_strings(source: str) -> dict[str, str]:
+    """Names bound to string literals, including chained `a = b = "x"`."""
+    values: dict[str, str] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            if isinstance(node.value.value, str):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        values[target.id] = node.value.value
+    return values
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
