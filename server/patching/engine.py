@@ -42,11 +42,19 @@ class Plan:
     tree: VllmTree
     release: str
     series: Series
-    pristine: dict[str, str | None] = field(default_factory=dict)
     result: dict[str, str | None] = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)  # patch files applied by this plan
     present: list[str] = field(default_factory=list)  # patch files found already applied
-    files_of_patch: dict[str, list[str]] = field(default_factory=dict)
+    diffs: dict[str, list[diff.FileDiff]] = field(default_factory=dict)  # by patch file
+
+    @property
+    def pristine(self) -> dict[str, str | None]:
+        """Each touched file as the release shipped it: the series undone, last first."""
+        texts = dict(self.result)
+        for patch in reversed(self.series.patches):
+            for file_diff in self.diffs[patch]:
+                texts[file_diff.path] = diff.apply(file_diff.reversed(), texts[file_diff.path])
+        return texts
 
     @property
     def changes(self) -> dict[str, str | None]:
@@ -77,20 +85,16 @@ def plan(tree: VllmTree, catalog: Catalog) -> Plan:
             file_diffs = diff.parse(result.series.text(patch))
         except diff.DiffError as error:
             raise PatchError(f"fix {fix.id}: {patch} is not a valid patch: {error}") from None
-        result.files_of_patch[patch] = [fd.path for fd in file_diffs]
+        result.diffs[patch] = file_diffs
         current = {fd.path: _current(result, fd.path) for fd in file_diffs}
         forward = _try_apply(file_diffs, current)
         if isinstance(forward, dict):
-            for path, text in current.items():
-                result.pristine.setdefault(path, text)
             result.result.update(forward)
             result.applied.append(patch)
             continue
         backward = _try_apply([fd.reversed() for fd in file_diffs], current)
         if isinstance(backward, dict):  # already applied: its reverse is clean
-            for path, text in backward.items():
-                result.pristine.setdefault(path, text)
-                result.result.setdefault(path, current[path])
+            result.result.update(current)
             result.present.append(patch)
             continue
         raise PatchError(f"fix {fix.id}: {patch} does not apply to {tree.root}: {forward}")
@@ -180,9 +184,10 @@ def _recompile(path: Path) -> None:
 def touched_files(plan_: Plan) -> list[dict[str, object]]:
     """Every file the series touches, with its hashes before and after the series."""
     rows = []
+    pristine = plan_.pristine
     for path in sorted(plan_.result):
-        before, after = plan_.pristine.get(path), plan_.result[path]
-        patches = sorted(p for p, files in plan_.files_of_patch.items() if path in files)
+        before, after = pristine[path], plan_.result[path]
+        patches = [p for p, diffs in plan_.diffs.items() if any(d.path == path for d in diffs)]
         rows.append({
             "path": path,
             "sha256_before": None if before is None else sha256(before.encode()),

@@ -48,7 +48,6 @@ def build(plan: engine.Plan, states: list[engine.FixState]) -> dict[str, Any]:
                 "id": s.fix.id,
                 "title": s.fix.title,
                 "status": s.status.value,
-                "action": s.action,
                 "reason": s.fix.on(plan.release).reason,
                 "patches": list(s.fix.on(plan.release).patches),
                 "probe": s.probe.word,

@@ -1,0 +1,44 @@
+"""Pristine vLLM release trees for tests, unpacked once from the real wheels.
+
+Wheels are cached in .cache/wheels and trees in .cache/trees (both git-ignored),
+so only the first run downloads (about 2.2 GB for the seven releases).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from server.patching import catalog, wheel
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("MLA_SERVE_CACHE", ROOT / ".cache"))
+RELEASES = catalog.load().releases
+DEFAULT_RELEASE = "0.33.0"
+
+
+def pristine(release: str) -> Path:
+    """The unpacked Python tree of `release`; never modify it (copy with `clone`)."""
+    tree = CACHE / "trees" / release
+    if not (tree / "vllm" / "__init__.py").is_file():
+        shutil.rmtree(tree, ignore_errors=True)
+        wheel_path = wheel.fetch(release, CACHE / "wheels")
+        wheel.unpack(wheel_path, tree, python_only=True)
+    return tree
+
+
+def clone(release: str, dest: Path) -> Path:
+    """A private copy of a pristine tree: hard links, cheap and safe.
+
+    Safe because the engine replaces files (new inodes) instead of writing into
+    them; a test that edits a file in place must unlink it first (see `edit`).
+    """
+    shutil.copytree(pristine(release), dest, copy_function=os.link)
+    return dest
+
+
+def edit(path: Path, text: str) -> None:
+    """Change a file of a cloned tree without touching the shared pristine copy."""
+    path.unlink()
+    path.write_text(text, encoding="utf-8")
