@@ -1,0 +1,92 @@
+"""Seeds 003 and 004 on vLLM's own DeepSeek-V4 code."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+class ScoringPathEntered(Exception):
+    """Raised by the indexer's query projection: the full scoring path was taken."""
+
+
+def _indexer(module, monkeypatch, *, capturing: bool, max_seq_len: int):
+    """A DeepseekV4Indexer with just the state forward() reads before scoring."""
+    indexer = object.__new__(module.DeepseekV4Indexer)
+    torch.nn.Module.__init__(indexer)
+    calls: list[str] = []
+
+    def projection(*args, **kwargs):
+        raise ScoringPathEntered
+
+    indexer.__dict__.update(
+        compressor=lambda *args: calls.append("compressor"),
+        k_cache=SimpleNamespace(prefix="layers.0.indexer.k_cache"),
+        compress_ratio=4,
+        topk_tokens=512,
+        topk_indices_buffer=torch.zeros(8, 512, dtype=torch.int32),
+        wq_b=projection,
+        weights_proj=projection,
+        aux_stream=None,
+        ln_events=[None, None],
+        eager_scratch_pool=None,
+        use_fp4_kv=False,
+    )
+    metadata = SimpleNamespace(max_seq_len=max_seq_len, num_decode_tokens=0, num_prefill_tokens=0)
+    context = SimpleNamespace(attn_metadata={"layers.0.indexer.k_cache": metadata})
+    monkeypatch.setattr(module, "get_forward_context", lambda: context)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    return indexer, calls
+
+
+def _takes_shortcut(module, monkeypatch, *, capturing: bool, max_seq_len: int) -> bool:
+    indexer, calls = _indexer(module, monkeypatch, capturing=capturing, max_seq_len=max_seq_len)
+    hidden = torch.zeros(0, 16)
+    try:
+        indexer.forward(hidden, hidden, hidden, hidden, torch.zeros(0, dtype=torch.long), None)
+    except ScoringPathEntered:
+        return False
+    assert calls == ["compressor"]  # the shortcut still builds the k cache
+    return True
+
+
+def test_indexer_scores_while_a_graph_is_being_captured(expect, monkeypatch):
+    fixed = expect.fixed("dsv4-indexer-capture-shortcut")
+    from vllm.models.deepseek_v4 import attention
+
+    # Capture runs on short dummy metadata: 1024 // 4 = 256 candidates <= 512.
+    captured_shortcut = _takes_shortcut(attention, monkeypatch, capturing=True, max_seq_len=1024)
+    assert captured_shortcut is (not fixed)
+
+
+def test_indexer_keeps_the_eager_shortcut_and_scores_long_contexts(expect, monkeypatch):
+    expect.fixed("dsv4-indexer-capture-shortcut")
+    from vllm.models.deepseek_v4 import attention
+
+    assert _takes_shortcut(attention, monkeypatch, capturing=False, max_seq_len=1024)
+    assert not _takes_shortcut(attention, monkeypatch, capturing=False, max_seq_len=8192)
+
+
+@pytest.mark.parametrize("width", [128, 256])
+def test_c128a_metadata_views_keep_the_capacity_row_stride(expect, width):
+    fixed = expect.fixed("dsv4-c128a-capacity-stride")
+    from vllm.models.deepseek_v4.sparse_mla import build_c128a_topk_metadata
+
+    capacity = 1024
+    decode = torch.full((8, capacity), -7, dtype=torch.int32)
+    prefill = torch.full((8, capacity), -7, dtype=torch.int32)
+    global_decode, _, prefill_local = build_c128a_topk_metadata(
+        torch.zeros(0, dtype=torch.long), 128, 0,
+        torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32), 64,
+        torch.zeros(0, dtype=torch.long), decode, torch.zeros(8, dtype=torch.int32), prefill,
+        max_compressed_tokens=width,
+    )
+    if fixed:
+        assert global_decode.stride(0) == decode.stride(0) == capacity
+        assert prefill_local.stride(0) == prefill.stride(0)
+    else:
+        # Packed at this batch's width: a consumer captured at another width
+        # reads every row after the first at the wrong offset.
+        assert global_decode.stride(0) == width != decode.stride(0)
