@@ -23,7 +23,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.run(args, catalog.load())
+        code: int = args.run(args, catalog.load())
+        return code
     except commands.ERRORS as error:
         print(f"mla-serve: error: {error}", file=sys.stderr)
         return 2

@@ -36,12 +36,25 @@ def test_vllm_code_behaves_as_the_catalog_says(release: str, state: str, tmp_pat
         engine.write(plan)
     child = subprocess.run(
         [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-            "-W", "ignore::DeprecationWarning",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+            "-W",
+            "ignore::DeprecationWarning",
             str(Path(__file__).parent / "vllm_cpu"),
-            "--vllm-tree", str(target), "--vllm-state", state,
+            "--vllm-tree",
+            str(target),
+            "--vllm-state",
+            state,
         ],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     report = child.stdout + child.stderr
     assert child.returncode == 0, report

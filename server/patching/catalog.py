@@ -14,15 +14,16 @@ import hashlib
 import os
 import tomllib
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 
 class CatalogError(Exception):
     """The catalog or a series is inconsistent, or a release is unknown."""
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     PATCHED = "patched"
     UPSTREAM = "upstream"
     NOT_AFFECTED = "not-affected"
@@ -81,8 +82,7 @@ class Catalog:
         release = version.split("+", 1)[0]  # local builds: 0.33.0+cu130 is 0.33.0
         if release not in self.releases:
             raise CatalogError(
-                f"vLLM {version} is not a supported release; supported: "
-                + ", ".join(self.releases)
+                f"vLLM {version} is not a supported release; supported: " + ", ".join(self.releases)
             )
         return release
 
@@ -134,7 +134,7 @@ def load(root: Path | None = None) -> Catalog:
     return catalog
 
 
-def _fix(entry: dict, releases: tuple[str, ...]) -> Fix:
+def _fix(entry: dict[str, Any], releases: tuple[str, ...]) -> Fix:
     fix_id = entry["id"]
     statuses: dict[str, ReleaseStatus] = {}
     for release in releases:

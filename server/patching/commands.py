@@ -30,12 +30,16 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     ):
         sub = actions.add_parser(name, help=text)
         sub.add_argument(
-            "--target", type=Path, metavar="DIR",
+            "--target",
+            type=Path,
+            metavar="DIR",
             help="directory containing the vllm/ package (default: the installed vLLM)",
         )
         if name != "status":
             sub.add_argument(
-                "--manifest", type=Path, metavar="FILE",
+                "--manifest",
+                type=Path,
+                metavar="FILE",
                 help=f"manifest path (default: <target>/vllm/{manifest.FILENAME})",
             )
         if name == "status":
@@ -48,8 +52,12 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     fetch.add_argument("--vllm-version", required=True, metavar="X.Y.Z")
     fetch.add_argument("--dest", type=Path, required=True, metavar="DIR")
     fetch.add_argument(
-        "--cache", type=Path, metavar="DIR",
-        default=Path(os.environ.get("MLA_SERVE_WHEEL_CACHE", "~/.cache/mla-serve/wheels")).expanduser(),
+        "--cache",
+        type=Path,
+        metavar="DIR",
+        default=Path(
+            os.environ.get("MLA_SERVE_WHEEL_CACHE", "~/.cache/mla-serve/wheels")
+        ).expanduser(),
         help="wheel cache (default: $MLA_SERVE_WHEEL_CACHE or ~/.cache/mla-serve/wheels)",
     )
     fetch.add_argument("--python-only", action="store_true", help="skip compiled extensions")
@@ -70,7 +78,9 @@ def _list(args: argparse.Namespace, catalog: Catalog) -> int:
 def _status(args: argparse.Namespace, catalog: Catalog) -> int:
     found = tree.locate(args.target)
     release = catalog.release_of(found.version)
-    states = engine.Plan(tree=found, release=release, series=catalog.series(release)).states(catalog)
+    states = engine.Plan(tree=found, release=release, series=catalog.series(release)).states(
+        catalog
+    )
     if args.format == "json":
         print(json.dumps(report.states_json(found.version, release, states), indent=2))
         return 0
@@ -122,10 +132,14 @@ def _fetch(args: argparse.Namespace, catalog: Catalog) -> int:
 def _describe(found: tree.VllmTree, series: catalog_.Series) -> None:
     commit = f" (commit {found.commit})" if found.commit else ""
     print(f"vLLM {found.version}{commit} at {found.root}")
-    print(f"series vllm-{series.release}: {len(series.patches)} patch(es), digest {series.digest[:12]}")
+    count = len(series.patches)
+    print(f"series vllm-{series.release}: {count} patch(es), digest {series.digest[:12]}")
 
 
 ERRORS = (
-    catalog_.CatalogError, tree.TreeError, engine.PatchError,
-    manifest.ManifestError, wheel.WheelError,
+    catalog_.CatalogError,
+    tree.TreeError,
+    engine.PatchError,
+    manifest.ManifestError,
+    wheel.WheelError,
 )

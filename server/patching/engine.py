@@ -12,11 +12,13 @@ Order of work, so that a failure never leaves a half-patched tree:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import py_compile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from server.patching import diff, probes
 from server.patching.catalog import Catalog, Fix, Series, Status
@@ -112,7 +114,9 @@ def _try_apply(
     out: dict[str, str | None] = {}
     for file_diff in file_diffs:
         try:
-            out[file_diff.path] = diff.apply(file_diff, out.get(file_diff.path, current[file_diff.path]))
+            out[file_diff.path] = diff.apply(
+                file_diff, out.get(file_diff.path, current[file_diff.path])
+            )
         except diff.HunkMismatch as error:
             return str(error)
         except FileNotFoundError:
@@ -132,7 +136,9 @@ def check(plan_: Plan, catalog: Catalog) -> list[FixState]:
     failed = [s for s in states if not s.probe.passed]
     if failed:
         lines = "; ".join(f"fix {s.fix.id} ({s.status.value}): {s.probe.detail}" for s in failed)
-        raise PatchError(f"vLLM {plan_.tree.version} would still lack fixes after the series: {lines}")
+        raise PatchError(
+            f"vLLM {plan_.tree.version} would still lack fixes after the series: {lines}"
+        )
     return states
 
 
@@ -148,7 +154,9 @@ def write(plan_: Plan) -> list[str]:
     except OSError as error:
         for path in reversed(done):
             _replace(plan_.tree.file(path), originals[path])
-        raise PatchError(f"cannot write {error.filename}: {error.strerror}; tree restored") from None
+        raise PatchError(
+            f"cannot write {error.filename}: {error.strerror}; tree restored"
+        ) from None
     for path in done:
         if path.endswith(".py") and changes[path] is not None:
             _recompile(plan_.tree.file(path))
@@ -175,23 +183,24 @@ def _replace(target: Path, text: str | None) -> None:
 
 def _recompile(path: Path) -> None:
     """Refresh the interpreter's cached bytecode so no stale .pyc outlives the edit."""
-    try:
+    # A read-only __pycache__ only costs a recompile at import time.
+    with contextlib.suppress(py_compile.PyCompileError, OSError):
         py_compile.compile(str(path), doraise=True)
-    except (py_compile.PyCompileError, OSError):
-        pass  # a read-only __pycache__ only costs a recompile at import time
 
 
-def touched_files(plan_: Plan) -> list[dict[str, object]]:
+def touched_files(plan_: Plan) -> list[dict[str, Any]]:
     """Every file the series touches, with its hashes before and after the series."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     pristine = plan_.pristine
     for path in sorted(plan_.result):
         before, after = pristine[path], plan_.result[path]
         patches = [p for p, diffs in plan_.diffs.items() if any(d.path == path for d in diffs)]
-        rows.append({
-            "path": path,
-            "sha256_before": None if before is None else sha256(before.encode()),
-            "sha256_after": None if after is None else sha256(after.encode()),
-            "patches": patches,
-        })
+        rows.append(
+            {
+                "path": path,
+                "sha256_before": None if before is None else sha256(before.encode()),
+                "sha256_after": None if after is None else sha256(after.encode()),
+                "patches": patches,
+            }
+        )
     return rows

@@ -76,8 +76,10 @@ def read(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as error:
         raise ManifestError(f"cannot read manifest {path}: {error}") from None
     required = {"schema", "vllm_version", "release", "series", "fixes", "files"}
-    if not isinstance(document, dict) or document.get("schema") != SCHEMA or not (
-        required <= document.keys()
+    if (
+        not isinstance(document, dict)
+        or document.get("schema") != SCHEMA
+        or not (required <= document.keys())
     ):
         raise ManifestError(f"{path} is not an mla-serve manifest (schema {SCHEMA})")
     return document
@@ -93,19 +95,30 @@ def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[D
     """Everything that no longer matches the manifest; empty when the tree is intact."""
     drifts: list[Drift] = []
     if document["vllm_version"] != tree.version:
-        drifts.append(Drift("version", f"manifest is for vLLM {document['vllm_version']}, "
-                                        f"tree is {tree.version}"))
+        drifts.append(
+            Drift(
+                "version",
+                f"manifest is for vLLM {document['vllm_version']}, tree is {tree.version}",
+            )
+        )
         return drifts
     series = catalog.series(document["release"])
     if series.digest != document["series"]["digest"]:
-        drifts.append(Drift("series", "this mla-serve carries a different series for "
-                                      f"{document['release']}; run apply again"))
+        drifts.append(
+            Drift(
+                "series",
+                "this mla-serve carries a different series for "
+                f"{document['release']}; run apply again",
+            )
+        )
     for row in document["files"]:
         text = tree.read(row["path"])
         actual = None if text is None else sha256(text.encode())
         if actual != row["sha256_after"]:
-            state = "missing" if text is None else f"sha256 {actual[:12]}…"
-            drifts.append(Drift(row["path"], f"{state}, manifest says {str(row['sha256_after'])[:12]}…"))
+            state = "missing" if actual is None else f"sha256 {actual[:12]}…"
+            drifts.append(
+                Drift(row["path"], f"{state}, manifest says {str(row['sha256_after'])[:12]}…")
+            )
     for fix in document["fixes"]:
         if fix["id"] not in probes.PROBES:
             drifts.append(Drift(fix["id"], "fix unknown to this mla-serve; run apply again"))

@@ -152,14 +152,15 @@ def _piecewise_topk_event(tree: VllmTree) -> ProbeResult:
             if not isinstance(node, ast.Call):
                 continue
             name = _called_name(node)
-            if name == "wait_event" and node.args and _is_topk_event(node.args[0]):
-                if not _guarded_by_not_piecewise(node, parents):
-                    return ProbeResult(
-                        False,
-                        f"{rel}:{node.lineno} waits on logical_topk_ready without a "
-                        "`not in_piecewise_cudagraph()` guard",
-                    )
-            if name == "record" and _is_topk_event(getattr(node.func, "value", None)):
+            waits = name == "wait_event" and node.args and _is_topk_event(node.args[0])
+            if waits and not _guarded_by_not_piecewise(node, parents):
+                return ProbeResult(
+                    False,
+                    f"{rel}:{node.lineno} waits on logical_topk_ready without a "
+                    "`not in_piecewise_cudagraph()` guard",
+                )
+            owner = node.func.value if isinstance(node.func, ast.Attribute) else None
+            if name == "record" and owner is not None and _is_topk_event(owner):
                 function = next(
                     (p for p in reversed(parents) if isinstance(p, ast.FunctionDef)), None
                 )
@@ -193,7 +194,8 @@ def _dcp_workspace_sizing(tree: VllmTree) -> ProbeResult:
     if buffer is None or len(buffer.args.args) < 2:
         return ProbeResult(False, "_get_workspace_buffer() cannot be asked for a minimum size")
     preallocates = any(
-        isinstance(node, ast.FunctionDef) and node.name == "__init__"
+        isinstance(node, ast.FunctionDef)
+        and node.name == "__init__"
         and _calls(node, "_get_workspace_buffer")
         for node in ast.walk(module)
     )
@@ -225,9 +227,13 @@ def _dcp_empty_shard_mask(tree: VllmTree) -> ProbeResult:
         if function is None:
             continue
         for node in ast.walk(function):
-            if isinstance(node, ast.If) and _tests_empty(node.test, "seq_lens"):
-                if any(isinstance(s, ast.Return) for s in node.body) and _calls(node, "fill_"):
-                    return ProbeResult(True, f"{rel}: empty seq_lens fills -inf and returns")
+            if (
+                isinstance(node, ast.If)
+                and _tests_empty(node.test, "seq_lens")
+                and any(isinstance(s, ast.Return) for s in node.body)
+                and _calls(node, "fill_")
+            ):
+                return ProbeResult(True, f"{rel}: empty seq_lens fills -inf and returns")
         return ProbeResult(False, f"{rel}: mask_dcp_empty_shards_ indexes an empty seq_lens")
     return ProbeResult(True, "no mask_dcp_empty_shards_ in this release (code absent)")
 
@@ -241,9 +247,8 @@ def _tests_empty(test: ast.expr, name: str) -> bool:
         for n in ast.walk(test)
     ) or (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not))
     sized = any(
-        (isinstance(n, ast.Attribute) and n.attr == "shape") or (
-            isinstance(n, ast.Call) and _called_name(n) in ("numel", "size")
-        )
+        (isinstance(n, ast.Attribute) and n.attr == "shape")
+        or (isinstance(n, ast.Call) and _called_name(n) in ("numel", "size"))
         for n in ast.walk(test)
     )
     return mentions and zero and sized
@@ -270,7 +275,8 @@ def _pcp_dcp_warmup_keys(tree: VllmTree) -> ProbeResult:
         for call in _calls(warmup, "dict")
     )
     aligned = sum(
-        1 for call in _calls(warmup, "from_alignment")
+        1
+        for call in _calls(warmup, "from_alignment")
         if {k.arg for k in call.keywords} >= {"uncompressed_seq_lens", "cu_compressed_seq_lens"}
     )
     if not normalized:
@@ -291,7 +297,8 @@ def _pcp_dcp_backend_reject(tree: VllmTree) -> ProbeResult:
         return ProbeResult(False, "FlashInferMLASparseTRTLLMBackend.supports_combination missing")
     attributes = {n.attr for n in ast.walk(function) if isinstance(n, ast.Attribute)}
     strings = " ".join(
-        n.value for n in ast.walk(function)
+        n.value
+        for n in ast.walk(function)
         if isinstance(n, ast.Constant) and isinstance(n.value, str)
     )
     if not {"prefill_context_parallel_size", "decode_context_parallel_size"} <= attributes:
@@ -309,8 +316,10 @@ def _dcp_rank_device_tensor(tree: VllmTree) -> ProbeResult:
     if helper is None:
         return ProbeResult(True, "no get_dcp_local_seq_lens in this release (code absent)")
     takes_tensor = any(
-        isinstance(n, ast.Call) and _called_name(n) == "isinstance"
-        and isinstance(n.args[0], ast.Name) and n.args[0].id == "dcp_rank"
+        isinstance(n, ast.Call)
+        and _called_name(n) == "isinstance"
+        and isinstance(n.args[0], ast.Name)
+        and n.args[0].id == "dcp_rank"
         for n in ast.walk(helper)
     )
     if not takes_tensor:
@@ -323,8 +332,10 @@ def _dcp_rank_device_tensor(tree: VllmTree) -> ProbeResult:
     if localize is None:
         return ProbeResult(True, "helper takes a device rank; no indexer decode localization")
     for call in _calls(localize, "get_dcp_local_seq_lens"):
-        rank = call.args[2] if len(call.args) > 2 else next(
-            (k.value for k in call.keywords if k.arg == "dcp_rank"), None
+        rank = (
+            call.args[2]
+            if len(call.args) > 2
+            else next((k.value for k in call.keywords if k.arg == "dcp_rank"), None)
         )
         if not (isinstance(rank, ast.Attribute) and rank.attr.endswith("_tensor")):
             return ProbeResult(False, f"{INDEXER}:{call.lineno} passes an int rank per batch")
@@ -360,14 +371,14 @@ def _dsv4_c128a_capacity_stride(tree: VllmTree) -> ProbeResult:
         return ProbeResult(True, "no C128A metadata builder in this release (code absent)")
     packed = [c for c in _calls(function, "view") if _is_minus_one(c)]
     if packed:
-        return ProbeResult(
-            False, f"{DSV4_SPARSE_MLA}:{packed[0].lineno} packs rows with view(-1)"
-        )
+        return ProbeResult(False, f"{DSV4_SPARSE_MLA}:{packed[0].lineno} packs rows with view(-1)")
     strided = {
         call.func.value.id
         for call in _calls(function, "stride")
-        if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-        and call.args and getattr(call.args[0], "value", None) == 0
+        if isinstance(call.func, ast.Attribute)
+        and isinstance(call.func.value, ast.Name)
+        and call.args
+        and getattr(call.args[0], "value", None) == 0
     }
     missing = {"global_decode_buffer", "prefill_buffer"} - strided
     if missing:

@@ -10,8 +10,10 @@ from server.patching.engine import FixState
 _SHORT = {"patched": "patched", "upstream": "upstream", "not-affected": "n/a"}
 
 
-def matrix(catalog: Catalog, current: str | None = None, states: list[FixState] | None = None) -> str:
-    """Fix × release table; the `current` release's column also shows probe results."""
+def matrix(
+    catalog: Catalog, current: str | None = None, states: list[FixState] | None = None
+) -> str:
+    """Fix-by-release table; the `current` release's column also shows probe results."""
     by_id = {s.fix.id: s for s in states or []}
     width = max(len(f.id) for f in catalog.fixes)
     headers = [f"[{r}]" if r == current else r for r in catalog.releases]
@@ -22,8 +24,14 @@ def matrix(catalog: Catalog, current: str | None = None, states: list[FixState] 
         ]
         for fix in catalog.fixes
     }
-    widths = [max(len(h), *(len(cells[f.id][i]) for f in catalog.fixes)) for i, h in enumerate(headers)]
-    lines = ["fix".ljust(width) + "  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    widths = [
+        max(len(h), *(len(cells[f.id][i]) for f in catalog.fixes)) for i, h in enumerate(headers)
+    ]
+    lines = [
+        "fix".ljust(width)
+        + "  "
+        + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    ]
     for fix in catalog.fixes:
         row = "  ".join(c.ljust(w) for c, w in zip(cells[fix.id], widths, strict=True))
         lines.append(fix.id.ljust(width) + "  " + row)

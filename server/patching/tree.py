@@ -88,11 +88,12 @@ def _assigned_strings(source: str) -> dict[str, str]:
     """Names bound to string literals, including chained `a = b = "x"`."""
     values: dict[str, str] = {}
     for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-            if isinstance(node.value.value, str):
-                for target in node.targets:
-                    if isinstance(target, ast.Name):
-                        values[target.id] = node.value.value
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Constant):
+            continue
+        if isinstance(node.value.value, str):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = node.value.value
     return values
 
 

@@ -27,8 +27,17 @@ def fetch(version: str, cache: Path) -> Path:
     if found:
         return found[0]
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--progress-bar", "on", "--dest", str(cache), f"vllm=={version}",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on",
+        "--dest",
+        str(cache),
+        f"vllm=={version}",
     ]
     if subprocess.run(command, check=False).returncode != 0:
         raise WheelError(f"pip could not download vllm=={version} (see its output above)")

@@ -78,9 +78,16 @@ def test_c128a_metadata_views_keep_the_capacity_row_stride(expect, width):
     decode = torch.full((8, capacity), -7, dtype=torch.int32)
     prefill = torch.full((8, capacity), -7, dtype=torch.int32)
     global_decode, _, prefill_local = build_c128a_topk_metadata(
-        torch.zeros(0, dtype=torch.long), 128, 0,
-        torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32), 64,
-        torch.zeros(0, dtype=torch.long), decode, torch.zeros(8, dtype=torch.int32), prefill,
+        torch.zeros(0, dtype=torch.long),
+        128,
+        0,
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, 1, dtype=torch.int32),
+        64,
+        torch.zeros(0, dtype=torch.long),
+        decode,
+        torch.zeros(8, dtype=torch.int32),
+        prefill,
         max_compressed_tokens=width,
     )
     if fixed:

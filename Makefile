@@ -1,0 +1,69 @@
+# mla-serve: `make dist` builds a patched vLLM tree, `make test` runs every check.
+# Everything downloaded is cached under .cache/ (git-ignored) and reused.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VLLM_VERSION ?= 0.33.0
+VENV := .venv
+BIN := $(VENV)/bin
+CACHE := $(CURDIR)/.cache
+DIST_TREE := build/vllm-$(VLLM_VERSION)
+TORCH_CPU := torch==2.13.0
+XGRAMMAR := xgrammar==0.2.8
+
+export PIP_CACHE_DIR := $(CACHE)/pip
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
+export MLA_SERVE_CACHE := $(CACHE)
+
+.PHONY: help dist test lint format bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+# The tool itself: no runtime dependencies, so `make dist` needs only this.
+$(BIN)/mla-serve: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# What the tests add: CPU torch and the libraries vLLM's pure-Python modules
+# import, so they run vLLM's own code from the released wheels.
+$(VENV)/.test-deps: $(BIN)/mla-serve tests/requirements-vllm-cpu.txt
+	$(BIN)/python -m pip install -q $(TORCH_CPU)
+	$(BIN)/python -m pip install -q -r tests/requirements-vllm-cpu.txt
+	$(BIN)/python -m pip install -q --no-deps $(XGRAMMAR)
+	touch $@
+
+dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) tree + manifest in build/ (VLLM_VERSION=… to choose)
+	@if [ ! -f $(DIST_TREE)/vllm/__init__.py ]; then \
+	  $(BIN)/mla-serve patches fetch --vllm-version $(VLLM_VERSION) --dest $(DIST_TREE); fi
+	$(BIN)/mla-serve patches apply --target $(DIST_TREE)
+	$(BIN)/mla-serve patches verify --target $(DIST_TREE)
+	@echo
+	$(BIN)/mla-serve patches status --target $(DIST_TREE)
+	@echo
+	@echo "patched tree: $(DIST_TREE)  (PYTHONPATH=$(DIST_TREE) or copy into site-packages)"
+	@echo "manifest:     $(DIST_TREE)/vllm/mla_serve_manifest.json"
+
+lint: $(BIN)/mla-serve  ## ruff (lint + format check) and mypy
+	$(BIN)/ruff check server tests
+	$(BIN)/ruff format --check server tests
+	$(BIN)/mypy
+
+format: $(BIN)/mla-serve  ## apply ruff's formatting and safe fixes
+	$(BIN)/ruff check --fix server tests
+	$(BIN)/ruff format server tests
+
+test: lint $(VENV)/.test-deps  ## lint, then every test (downloads the 7 vLLM wheels once)
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/mla-serve  ## benchmarks; results in build/bench/
+	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
+
+clean:  ## remove build outputs (keeps the download cache)
+	rm -rf build $(VENV)
