@@ -259,3 +259,61 @@ def test_every_patch_carries_dep3_headers():
             header = series.text(name).split("\n---\n", 1)[0]
             for field in required:
                 assert f"\n{field}" in f"\n{header}", (release, name, field)
+
+
+# Undo each fix in upstream's own code (0.33.0): its probe must notice, or a
+# "pass" on releases that carry the fix would prove nothing.
+UPSTREAM_REGRESSIONS = {
+    "piecewise-topk-event": (
+        "vllm/v1/attention/backends/mla/index_group.py",
+        "if self.has_indexer and not in_piecewise_cudagraph():",
+        "if self.has_indexer:",
+    ),
+    "dcp-workspace-sizing": (
+        "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py",
+        "_TRTLLM_GEN_SOFTMAX_SLOTS_PER_TOKEN = 256",
+        "_TRTLLM_GEN_SOFTMAX_SLOTS_PER_TOKEN = 128",
+    ),
+    "pcp-dcp-backend-reject": (
+        "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py",
+        '"use FLASHMLA_SPARSE, which',
+        '"use another backend, which',
+    ),
+    "dcp-empty-shard-mask": (
+        "vllm/v1/attention/ops/dcp.py",
+        "    if seq_lens.shape[0] == 0:\n",
+        "    if False:\n",
+    ),
+    "pcp-dcp-warmup-keys": (
+        "vllm/v1/attention/backends/mla/indexer.py",
+        "dcp_cases.append(dict(DCP_RANK=0, DCP_WORLD=1))",
+        "pass",
+    ),
+    "dcp-rank-device-tensor": (
+        "vllm/v1/attention/backends/mla/indexer.py",
+        "            self.dcp_rank_tensor,\n",
+        "            self.dcp_rank,\n",
+    ),
+    "dsv4-indexer-capture-shortcut": (
+        "vllm/models/deepseek_v4/attention.py",
+        "and not torch.cuda.is_current_stream_capturing()",
+        "and True",
+    ),
+    "dsv4-c128a-capacity-stride": (
+        "vllm/models/deepseek_v4/sparse_mla.py",
+        "global_decode_stride=global_decode_buffer.stride(0),",
+        "global_decode_stride=max_compressed_tokens,",
+    ),
+}
+
+
+@pytest.mark.parametrize("fix_id", sorted(UPSTREAM_REGRESSIONS))
+def test_probe_fails_when_upstreams_fix_is_undone(fix_id: str, tmp_path: Path):
+    assert set(UPSTREAM_REGRESSIONS) == set(probes.PROBES)
+    target = trees.clone(trees.DEFAULT_RELEASE, tmp_path / "tree")
+    path, old, new = UPSTREAM_REGRESSIONS[fix_id]
+    source = (target / path).read_text()
+    assert source.count(old) == 1, "the 0.33.0 code moved; update the regression"
+    assert probes.run(fix_id, tree.locate(target)).passed
+    trees.edit(target / path, source.replace(old, new))
+    assert not probes.run(fix_id, tree.locate(target)).passed

@@ -372,18 +372,39 @@ def _dsv4_c128a_capacity_stride(tree: VllmTree) -> ProbeResult:
     packed = [c for c in _calls(function, "view") if _is_minus_one(c)]
     if packed:
         return ProbeResult(False, f"{DSV4_SPARSE_MLA}:{packed[0].lineno} packs rows with view(-1)")
-    strided = {
-        call.func.value.id
-        for call in _calls(function, "stride")
-        if isinstance(call.func, ast.Attribute)
-        and isinstance(call.func.value, ast.Name)
-        and call.args
-        and getattr(call.args[0], "value", None) == 0
-    }
-    missing = {"global_decode_buffer", "prefill_buffer"} - strided
-    if missing:
-        return ProbeResult(False, f"kernel not given the capacity stride of {sorted(missing)}")
+    strides = _c128a_kernel_row_strides(module)
+    if not strides:
+        return ProbeResult(False, "no launch of the C128A metadata kernel found")
+    for stride in strides:
+        if not (
+            isinstance(stride, ast.Call)
+            and _called_name(stride) == "stride"
+            and [getattr(a, "value", None) for a in stride.args] == [0]
+        ):
+            return ProbeResult(
+                False, f"{DSV4_SPARSE_MLA}:{stride.lineno} kernel rows not at a buffer's stride(0)"
+            )
     return ProbeResult(True, "rows written and read at the buffers' capacity stride")
+
+
+def _c128a_kernel_row_strides(module: ast.Module) -> list[ast.expr]:
+    """The row strides the C128A metadata kernel is launched with, by keyword or position."""
+    strides: list[ast.expr] = []
+    for call in (n for n in ast.walk(module) if isinstance(n, ast.Call)):
+        strides += [
+            k.value
+            for k in call.keywords
+            if k.arg in ("global_decode_stride", "prefill_local_stride")
+        ]
+        func = call.func
+        if (
+            isinstance(func, ast.Subscript)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "_build_c128a_topk_metadata_kernel"
+            and len(call.args) >= 5
+        ):
+            strides += [call.args[1], call.args[4]]  # (…, decode stride, …, …, prefill stride)
+    return strides
 
 
 def _is_minus_one(call: ast.Call) -> bool:
