@@ -367,7 +367,7 @@ def _dsv4_c128a_capacity_stride(tree: VllmTree) -> ProbeResult:
     """C128A metadata rows keep the buffers' capacity stride that graphs were captured with."""
     module = _module(tree, DSV4_SPARSE_MLA)
     function = _function(module, "build_c128a_topk_metadata") if module else None
-    if function is None:
+    if module is None or function is None:
         return ProbeResult(True, "no C128A metadata builder in this release (code absent)")
     packed = [c for c in _calls(function, "view") if _is_minus_one(c)]
     if packed:
