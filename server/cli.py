@@ -1,4 +1,9 @@
-"""The `mla-serve` command: one entry point, one sub-command group per area."""
+"""The `mla-serve` command: one entry point, one sub-command group per area.
+
+Each area module offers `register(subparsers)`, which sets `run(args) -> int`
+on its parsers, and `ERRORS`, the exception types that mean bad input or a
+refused operation: those end in a one-line message and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,11 @@ import argparse
 import sys
 
 from server import __version__
-from server.patching import catalog, commands
+from server.patching import commands as patching
+from server.sidecar import commands as sidecar
+
+AREAS = (patching, sidecar)
+ERRORS: tuple[type[Exception], ...] = tuple(e for area in AREAS for e in area.ERRORS)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -16,16 +25,17 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("--version", action="version", version=f"mla-serve {__version__}")
     areas = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.register(areas)
+    for area in AREAS:
+        area.register(areas)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        code: int = args.run(args, catalog.load())
+        code: int = args.run(args)
         return code
-    except commands.ERRORS as error:
+    except ERRORS as error:
         print(f"mla-serve: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -11,8 +11,6 @@ from pathlib import Path
 from server.patching import catalog as catalog_
 from server.patching import engine, manifest, report, tree, wheel
 
-Catalog = catalog_.Catalog
-
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     patches = commands.add_parser("patches", help="the sparse-MLA fix series")
@@ -64,7 +62,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     fetch.set_defaults(run=_fetch)
 
 
-def _list(args: argparse.Namespace, catalog: Catalog) -> int:
+def _list(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
     if args.format == "json":
         print(json.dumps(report.catalog_json(catalog), indent=2))
         return 0
@@ -75,7 +74,8 @@ def _list(args: argparse.Namespace, catalog: Catalog) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace, catalog: Catalog) -> int:
+def _status(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
     found = tree.locate(args.target)
     release = catalog.release_of(found.version)
     states = engine.Plan(tree=found, release=release, series=catalog.series(release)).states(
@@ -89,7 +89,8 @@ def _status(args: argparse.Namespace, catalog: Catalog) -> int:
     return 0
 
 
-def _apply(args: argparse.Namespace, catalog: Catalog) -> int:
+def _apply(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
     found = tree.locate(args.target)
     _describe(found, catalog.series(catalog.release_of(found.version)))
     plan = engine.plan(found, catalog)
@@ -107,7 +108,8 @@ def _apply(args: argparse.Namespace, catalog: Catalog) -> int:
     return 0
 
 
-def _verify(args: argparse.Namespace, catalog: Catalog) -> int:
+def _verify(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
     found = tree.locate(args.target)
     path = args.manifest or manifest.default_path(found)
     drifts = manifest.verify(found, manifest.read(path), catalog)
@@ -120,7 +122,8 @@ def _verify(args: argparse.Namespace, catalog: Catalog) -> int:
     return 0
 
 
-def _fetch(args: argparse.Namespace, catalog: Catalog) -> int:
+def _fetch(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
     catalog.release_of(args.vllm_version)  # refuse unsupported releases before downloading
     path = wheel.fetch(args.vllm_version, args.cache)
     print(f"wheel: {path}")

@@ -1,0 +1,1 @@
+"""The sidecar: health, engine truth, fix manifest and metrics next to vLLM."""

@@ -1,0 +1,108 @@
+"""Watch vLLM's `/health`, `/v1/models` and `/version` in the background.
+
+Health endpoints answer from the latest snapshot instead of calling vLLM, so a
+slow or hung vLLM can never make a kubelet probe of the sidecar time out, and
+`/readyz` costs microseconds. Every call has a hard timeout; anything other
+than the expected answer (refused connection, 5xx, garbage JSON) is recorded as
+the reason, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass(frozen=True)
+class VllmSnapshot:
+    checked_at: float | None = None
+    health_status: int | None = None  # HTTP status of /health, None when unreachable
+    error: str | None = None  # why the last /health check failed
+    models: tuple[str, ...] = ()
+    models_error: str | None = None  # why the last /v1/models check failed
+    version: str | None = None
+    ever_healthy: bool = False
+    healthy_since: float | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.health_status == 200
+
+
+@dataclass
+class VllmMonitor:
+    base_url: str
+    timeout: float
+    interval: float
+    snapshot: VllmSnapshot = field(default_factory=VllmSnapshot)
+    _client: httpx.AsyncClient | None = None
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout) as client:
+            self._client = client
+            while True:
+                await self.check()
+                await asyncio.sleep(self.interval)
+
+    async def check(self) -> VllmSnapshot:
+        assert self._client is not None
+        previous = self.snapshot
+        health, error = await self._health()
+        models: tuple[str, ...] = ()
+        models_error: str | None = "vLLM is not healthy"
+        version = previous.version
+        if health == 200:
+            (models, models_error), (version, _) = await asyncio.gather(
+                self._models(), self._version()
+            )
+        now = time.time()
+        up = health == 200
+        self.snapshot = VllmSnapshot(
+            checked_at=now,
+            health_status=health,
+            error=error,
+            models=models,
+            models_error=models_error,
+            version=version,
+            ever_healthy=previous.ever_healthy or up,
+            healthy_since=(previous.healthy_since or now) if up else None,
+        )
+        return self.snapshot
+
+    async def _get(self, path: str) -> httpx.Response:
+        assert self._client is not None
+        return await self._client.get(path)
+
+    async def _health(self) -> tuple[int | None, str | None]:
+        try:
+            response = await self._get("/health")
+        except httpx.TimeoutException:
+            return None, f"/health timed out after {self.timeout:g} s"
+        except httpx.HTTPError as error:
+            return None, f"/health unreachable: {type(error).__name__}: {error}"
+        if response.status_code != 200:
+            return response.status_code, f"/health returned HTTP {response.status_code}"
+        return 200, None
+
+    async def _models(self) -> tuple[tuple[str, ...], str | None]:
+        try:
+            response = await self._get("/v1/models")
+            response.raise_for_status()
+            data = response.json()["data"]
+            return tuple(str(entry["id"]) for entry in data), None
+        except httpx.TimeoutException:
+            return (), f"/v1/models timed out after {self.timeout:g} s"
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            return (), f"/v1/models unusable: {type(error).__name__}: {error}"
+
+    async def _version(self) -> tuple[str | None, str | None]:
+        try:
+            response = await self._get("/version")
+            response.raise_for_status()
+            return str(response.json()["version"]), None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            return None, f"/version unusable: {error}"
