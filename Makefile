@@ -62,8 +62,9 @@ format: $(BIN)/mla-serve  ## apply ruff's formatting and safe fixes
 test: lint $(VENV)/.test-deps  ## lint, then every test (downloads the 7 vLLM wheels once)
 	$(BIN)/python -m pytest
 
-bench: $(BIN)/mla-serve  ## benchmarks; results in build/bench/
+bench: $(VENV)/.test-deps  ## benchmarks; results in build/bench/*.json
 	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
+	$(BIN)/python tests/bench/bench_sidecar.py --out build/bench/sidecar.json
 
 clean:  ## remove build outputs (keeps the download cache)
 	rm -rf build $(VENV)
