@@ -13,8 +13,9 @@ import sys
 from server import __version__
 from server.patching import commands as patching
 from server.sidecar import commands as sidecar
+from server.sizing import commands as sizing
 
-AREAS = (patching, sidecar)
+AREAS = (patching, sidecar, sizing)
 ERRORS: tuple[type[Exception], ...] = tuple(e for area in AREAS for e in area.ERRORS)
 
 

@@ -1,0 +1,498 @@
+"""The sizing model and `mla-serve plan`: seed 002's figures, budgets, CLI, bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from server import sizing
+from server.cli import main
+from server.sizing import backend, quant, shape, weights
+
+MODELS = Path(__file__).parent / "fixtures" / "models"
+GLM52 = MODELS / "GLM-5.2" / "config.json"
+DSV32 = MODELS / "DeepSeek-V3.2" / "config.json"
+GLM53_FLASH = MODELS / "GLM-5.3-Flash" / "config.json"
+DSV4_FLASH = MODELS / "DeepSeek-V4-Flash" / "config.json"
+GiB = 1 << 30
+B200 = 179.06  # 183,359 MiB, as nvidia-smi reports a B200
+DEFAULT_WORKSPACE = 394 * 1024 * 1024
+
+
+def config(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def glm52_nvfp4() -> dict:
+    """nvidia/GLM-5.2-NVFP4 as it matters here: expert-only NVFP4 and a static FP8 KV scheme.
+
+    The three modelopt keys are the published ones; the exclude list is written for this
+    test (the published one was not found), excluding what the model card keeps in bf16.
+    """
+    cfg = config(GLM52)
+    cfg["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+        "exclude_modules": [
+            "lm_head",
+            "*self_attn*",
+            "*shared_experts*",
+            "model.layers.0.mlp*",
+            "model.layers.1.mlp*",
+            "model.layers.2.mlp*",
+            "model.layers.78*",
+        ],
+    }
+    return cfg
+
+
+def layout(**kw) -> sizing.Layout:
+    kw.setdefault("gpu_memory_bytes", int(B200 * GiB))
+    return sizing.Layout(**kw)
+
+
+# --- the workspace, byte for byte ------------------------------------------------------
+
+
+def test_seed_002_workspace_figures_are_byte_exact():
+    assert sizing.DEFAULT_WORKSPACE_BYTES == 413_138_944
+    assert sizing.workspace_bytes(4, 64, 4096) == 2_561_671_168
+    assert sizing.workspace_bytes(4, 64, 32768) == 17_594_056_704
+    assert round(2_561_671_168 / GiB, 2) == 2.39
+    assert round(17_594_056_704 / GiB, 2) == 16.39
+
+
+def test_without_dcp_the_workspace_is_the_base():
+    assert sizing.workspace_bytes(1, 64, 32768) == DEFAULT_WORKSPACE
+    assert sizing.workspace_bytes(1, 128, 1, base=1 << 30) == 1 << 30
+    formula = 8 * (16 * 8) * 8192 * 256 + (1 << 20)
+    assert sizing.workspace_bytes(8, 16, 8192, base=0) == formula
+
+
+def test_workspace_override_replaces_the_size_and_warns_when_too_small():
+    assert sizing.required_workspace_bytes(4, 64, 4096) == (2_561_671_168, None)
+    assert sizing.required_workspace_bytes(4, 64, 4096, override=3 * GiB) == (3 * GiB, None)
+    size, warning = sizing.required_workspace_bytes(4, 64, 32768, override=DEFAULT_WORKSPACE)
+    assert size == DEFAULT_WORKSPACE
+    assert (
+        warning and "17594056704" in warning and "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE" in warning
+    )
+    assert sizing.required_workspace_bytes(1, 64, 4096, override=1 << 20) == (1 << 20, None)
+
+
+def test_seed_002_dcp_layout_through_plan():
+    for tokens, expected in ((4096, 2_561_671_168), (32768, 17_594_056_704)):
+        result = sizing.plan(
+            glm52_nvfp4(),
+            layout(
+                pcp=4,
+                dcp=4,
+                ep=4,
+                max_num_batched_tokens=tokens,
+                gpu_memory_utilization=0.96,
+                attention_backend=backend.FLASHINFER,
+            ),
+        )
+        assert result.heads_per_rank == 64
+        assert result.workspace_bytes == expected
+        assert any(
+            "refuses --attention-backend FLASHINFER_MLA_SPARSE" in w for w in result.warnings
+        )
+
+
+def test_heads_per_rank_divide_by_tp_only():
+    cfg = config(GLM52)
+    assert sizing.plan(cfg, layout(tp=2, pcp=2)).heads_per_rank == 32
+    assert sizing.plan(cfg, layout(tp=1, pcp=4, dcp=4)).heads_per_rank == 64
+    assert sizing.plan(cfg, layout(tp=4, dcp=2)).heads_per_rank == 16
+
+
+# --- backend choice, as vLLM 0.33.0 makes it on SM100 -------------------------------------
+
+
+def test_pcp_plus_dcp_falls_back_to_flashmla_sparse_without_workspace():
+    result = sizing.plan(glm52_nvfp4(), layout(pcp=4, dcp=4, ep=4, max_num_batched_tokens=32768))
+    assert result.attention_backend == backend.FLASHMLA
+    assert not result.workspace_allocated and result.workspace_bytes == 0
+    assert result.workspace_required_bytes == 17_594_056_704
+    assert result.kv_cache_dtype == "fp8_ds_mla"  # FLASHMLA_SPARSE stores fp8 as fp8_ds_mla
+    assert result.to_json()["per_rank"]["workspace_bytes"] == 0
+
+
+def test_backend_priorities():
+    cfg = config(GLM52)
+    assert sizing.plan(cfg, layout(kv_cache_dtype="fp8")).attention_backend == backend.FLASHINFER
+    assert sizing.plan(cfg, layout()).attention_backend == backend.FLASHMLA  # bf16, 64 heads
+    assert sizing.plan(config(DSV32), layout(tp=8)).attention_backend == backend.FA4  # 16 heads
+    forced = sizing.plan(
+        cfg, layout(kv_cache_dtype="fp8_ds_mla", attention_backend=backend.FLASHINFER)
+    )
+    assert any("fp8_ds_mla" in w for w in forced.warnings)
+
+
+def test_no_rope_model_has_no_backend_for_pcp_plus_dcp():
+    # GLM-5.3-Flash: FLASHMLA_SPARSE takes head size 512 only on SM90, FlashInfer refuses PCP+DCP.
+    with pytest.raises(sizing.SizingError, match="no sparse-MLA backend"):
+        sizing.plan(config(GLM53_FLASH), layout(pcp=2, dcp=2))
+    ok = sizing.plan(
+        config(GLM53_FLASH), layout(pcp=2, dcp=2, attention_backend=backend.FLASHINFER)
+    )
+    assert ok.warnings
+
+
+# --- KV cache ---------------------------------------------------------------------------
+
+
+def test_kv_bytes_per_token():
+    cfg = config(GLM52)
+    fi = sizing.plan(cfg, layout(kv_cache_dtype="fp8"))
+    assert fi.kv.indexer_layers == 21 and fi.kv.mla_layers == 78
+    assert fi.kv_bytes_per_token == 78 * 576 + 21 * 132
+    bf16 = sizing.plan(cfg, layout(kv_cache_dtype="bfloat16", attention_backend=backend.FLASHINFER))
+    assert bf16.kv_bytes_per_token == 78 * 1152 + 21 * 132
+    ds = sizing.plan(cfg, layout(pcp=4, dcp=4, kv_cache_dtype="fp8_ds_mla"))
+    assert ds.kv_bytes_per_token == (78 * 656 + 21 * 132) / 4
+    dsv32 = sizing.plan(config(DSV32), layout(tp=8, dcp=8))
+    assert dsv32.kv_bytes_per_token == (61 * 1152 + 61 * 132) / 8
+    flash = sizing.plan(config(GLM53_FLASH), layout(tp=4))
+    assert flash.kv.mla_layers == 11 and flash.kv.linear_layers == 34
+    assert flash.kv_bytes_per_token == 11 * 1024 + 11 * 132 / 4
+    # KDA: fp32 (16, 128, 128) recurrent + bf16 (3*8192/4, 3) conv state per layer at TP4
+    assert flash.kv.state_bytes_per_sequence == 34 * (16 * 128 * 128 * 4 + 6144 * 3 * 2)
+
+
+def test_indexer_layers_follow_vllm_rule_and_match_indexer_types():
+    glm = shape.from_config(config(GLM52))
+    assert sorted(glm.indexer_layers)[:4] == [0, 1, 2, 6]
+    assert len(glm.indexer_layers) == glm.declared_full_indexers == 21
+    assert len(shape.from_config(config(DSV32)).indexer_layers) == 61
+
+
+def test_modelopt_kv_scheme_makes_auto_fp8():
+    result = sizing.plan(glm52_nvfp4(), layout())
+    assert result.kv_cache_dtype == "fp8" and result.kv_cache_dtype_requested == "auto"
+    assert result.attention_backend == backend.FLASHINFER
+
+
+# --- weights ------------------------------------------------------------------------------
+
+
+def test_expert_only_nvfp4_glm52_matches_the_published_checkpoint_size():
+    # nvidia/GLM-5.2-NVFP4 is ~465 GB: NVFP4 routed experts, everything else bf16 (MTP too).
+    shape_ = shape.from_config(config(GLM52))
+    one = weights.Parallel(tp=1, pcp=1, dp=1, ep=1)
+    nvfp4 = weights.weight_bytes(shape_, quant.scheme(None, expert_dtype="nvfp4"), one)
+    with_mtp = weights.weight_bytes(shape_, quant.scheme(None), one, mtp=True)
+    on_disk = sum(nvfp4.values()) - nvfp4["absorbed_mla"] + with_mtp["mtp"]
+    assert 460e9 < on_disk < 470e9
+    # the modelopt exclude list and the --expert-dtype override describe the same weights
+    by_config = sizing.plan(glm52_nvfp4(), layout(pcp=4, ep=4)).weights_bytes
+    by_flag = sizing.plan(config(GLM52), layout(pcp=4, ep=4, expert_dtype="nvfp4")).weights_bytes
+    assert by_config == by_flag
+
+
+def test_experts_split_over_tp_pcp_dp_or_ep():
+    cfg = config(DSV32)
+    tp8 = sizing.plan(cfg, layout(tp=8)).weights_breakdown["routed_experts"]
+    ep8 = sizing.plan(cfg, layout(tp=8, ep=8)).weights_breakdown["routed_experts"]
+    one = sizing.plan(cfg, layout()).weights_breakdown["routed_experts"]
+    assert tp8 == ep8 == one // 8
+    dp = sizing.plan(cfg, layout(tp=2, dp=4, ep=8))
+    assert dp.weights_breakdown["routed_experts"] == one // 8
+    assert (
+        dp.weights_breakdown["attention"]
+        == sizing.plan(cfg, layout(tp=2)).weights_breakdown["attention"]
+    )
+
+
+def test_fp8_block_scales_and_ignore_lists():
+    fp8 = quant.WeightFormat("fp8", block=(128, 128))
+    assert fp8.matrix_bytes(7168, 2048) == 7168 * 2048 + 4 * 56 * 16
+    assert quant.WeightFormat("nvfp4").matrix_bytes(4096, 6144) == 4096 * 6144 * 9 // 16 + 8
+    ct = quant.scheme(
+        {
+            "quant_method": "compressed-tensors",
+            "config_groups": {
+                "g": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                }
+            },
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"],
+        }
+    )
+    assert ct.format_for("", ["model.layers.3.self_attn.q_b_proj"]) == quant.BF16
+    assert (
+        ct.format_for("routed_expert", ["model.layers.3.mlp.experts.0.gate_proj"]).kind == "nvfp4"
+    )
+    ex = quant.scheme({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.0"]})
+    assert ex.format_for("", ["model.layers.0.mlp.gate_proj"]) == quant.BF16
+    assert ex.format_for("", ["model.layers.10.mlp.gate_proj"]).kind == "fp8"
+
+
+def test_weights_override():
+    result = sizing.plan(config(GLM52), layout(weights_bytes=100 * GiB))
+    assert result.weights_bytes == 100 * GiB and not result.weights_estimated
+
+
+# --- budget and warnings ------------------------------------------------------------------
+
+
+def test_negative_budget_warns():
+    result = sizing.plan(
+        glm52_nvfp4(),
+        layout(
+            pcp=4,
+            dcp=4,
+            ep=4,
+            max_num_batched_tokens=32768,
+            gpu_memory_utilization=0.92,
+            reserve_bytes=20 * GiB,
+            attention_backend=backend.FLASHINFER,
+        ),
+    )
+    assert result.kv_budget_bytes < 0 and result.kv_tokens == 0
+    assert any(w.startswith("KV budget is negative") for w in result.warnings)
+
+
+def test_large_workspace_share_warns():
+    result = sizing.plan(
+        glm52_nvfp4(),
+        layout(
+            pcp=4,
+            dcp=4,
+            ep=4,
+            max_num_batched_tokens=32768,
+            gpu_memory_utilization=0.96,
+            attention_backend=backend.FLASHINFER,
+        ),
+    )
+    assert result.kv_budget_bytes > 0
+    assert any("workspace" in w and "%" in w for w in result.warnings)
+    small = sizing.plan(
+        glm52_nvfp4(),
+        layout(
+            pcp=4,
+            dcp=4,
+            ep=4,
+            max_num_batched_tokens=4096,
+            gpu_memory_utilization=0.96,
+            attention_backend=backend.FLASHINFER,
+        ),
+    )
+    assert not any("% of the memory" in w for w in small.warnings)
+
+
+def test_budget_arithmetic_and_token_count():
+    result = sizing.plan(config(DSV32), layout(tp=8, dcp=8, kv_cache_dtype="fp8"))
+    usable = int(int(B200 * GiB) * 0.92)
+    assert result.usable_bytes == usable
+    assert (
+        result.kv_budget_bytes == usable - result.weights_bytes - result.workspace_bytes - 8 * GiB
+    )
+    assert result.kv_tokens == int(result.kv_budget_bytes / result.kv_bytes_per_token)
+
+
+def test_default_batched_tokens_follow_vllm_gpu_tiers():
+    assert sizing.default_max_num_batched_tokens(int(B200 * GiB)) == 16384
+    assert sizing.default_max_num_batched_tokens(140 * GiB) == 8192
+    assert sizing.default_max_num_batched_tokens(48 * GiB) == 2048
+    assert sizing.plan(config(GLM52), layout()).max_num_batched_tokens == 16384
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_text(capsys):
+    code, out, err = run(
+        capsys,
+        "--config",
+        str(GLM52),
+        "--gpu-memory-gib",
+        str(B200),
+        "--pcp",
+        "4",
+        "--dcp",
+        "4",
+        "--ep",
+        "4",
+        "--expert-dtype",
+        "nvfp4",
+        "--kv-cache-dtype",
+        "fp8",
+        "--gpu-memory-utilization",
+        "0.96",
+        "--max-num-batched-tokens",
+        "32768",
+        "--attention-backend",
+        "FLASHINFER_MLA_SPARSE",
+        "--reserve-gib",
+        "30",
+    )
+    assert code == 0 and not err
+    assert "16.39 GiB (17,594,056,704 B)" in out
+    assert "64 heads/rank" in out
+    assert "WARNING: KV budget is negative" in out
+    assert "WARNING: vLLM 0.33.0 refuses --attention-backend FLASHINFER_MLA_SPARSE" in out
+
+
+def test_cli_text_reports_workspace_not_allocated(capsys):
+    code, out, _ = run(
+        capsys, "--config", str(GLM52), "--gpu-memory-gib", str(B200), "--pcp", "4", "--dcp", "4"
+    )
+    assert code == 0
+    assert "workspace         not allocated (FLASHMLA_SPARSE)" in out
+
+
+def test_cli_json_shape(capsys):
+    code, out, err = run(
+        capsys,
+        "--config",
+        str(GLM52),
+        "--gpu-memory-gib",
+        str(B200),
+        "--pcp",
+        "4",
+        "--dcp",
+        "4",
+        "--ep",
+        "4",
+        "--expert-dtype",
+        "nvfp4",
+        "--gpu-memory-utilization",
+        "0.96",
+        "--max-num-batched-tokens",
+        "4096",
+        "--attention-backend",
+        "FLASHINFER_MLA_SPARSE",
+        "--format",
+        "json",
+    )
+    assert code == 0 and not err
+    doc = json.loads(out)
+    assert doc["model"] == "GLM-5.2"
+    assert set(doc["layout"]) == {
+        "tp",
+        "pcp",
+        "dcp",
+        "dp",
+        "ep",
+        "max_num_batched_tokens",
+        "kv_cache_dtype",
+        "attention_backend",
+    }
+    assert set(doc["per_rank"]) == {
+        "workspace_bytes",
+        "weights_bytes",
+        "kv_bytes_per_token",
+        "kv_budget_bytes",
+        "kv_tokens",
+        "gpu_memory_bytes",
+        "reserve_bytes",
+    }
+    assert doc["layout"] == {
+        "tp": 1,
+        "pcp": 4,
+        "dcp": 4,
+        "dp": 1,
+        "ep": 4,
+        "max_num_batched_tokens": 4096,
+        "kv_cache_dtype": "auto",
+        "attention_backend": "FLASHINFER_MLA_SPARSE",
+    }
+    assert doc["per_rank"]["workspace_bytes"] == 2_561_671_168
+    assert doc["per_rank"]["reserve_bytes"] == 8 * GiB
+    assert isinstance(doc["warnings"], list) and doc["warnings"]
+    assert doc["per_rank"]["kv_bytes_per_token"] == (78 * 1152 + 21 * 132) // 4
+
+
+def test_cli_json_fractional_bytes_per_token(capsys):
+    code, out, _ = run(
+        capsys,
+        "--config",
+        str(DSV32),
+        "--gpu-memory-gib",
+        "179",
+        "--tp",
+        "8",
+        "--dcp",
+        "8",
+        "--kv-cache-dtype",
+        "fp8",
+        "--format",
+        "json",
+    )
+    assert code == 0
+    assert json.loads(out)["per_rank"]["kv_bytes_per_token"] == (61 * 576 + 61 * 132) / 8
+
+
+def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    array = tmp_path / "array.json"
+    array.write_text("[1, 2]")
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    dense = tmp_path / "dense.json"
+    dense_cfg = config(DSV32)
+    del dense_cfg["index_topk"]
+    dense.write_text(json.dumps(dense_cfg))
+    wrong = tmp_path / "wrong.json"
+    wrong_cfg = copy.deepcopy(config(GLM52))
+    wrong_cfg["kv_lora_rank"] = "512"
+    wrong.write_text(json.dumps(wrong_cfg))
+    glm = str(GLM52)
+    return [
+        (["--config", str(tmp_path / "missing.json")], "no such file"),
+        (["--config", str(llama)], "not a multi-head latent attention (MLA) config"),
+        (["--config", str(tmp_path)], "is a directory"),
+        (["--config", str(broken)], "not valid JSON"),
+        (["--config", str(array)], "must be a JSON object"),
+        (["--config", str(llama)], "kv_lora_rank"),
+        (["--config", str(dense)], "index_topk"),
+        (["--config", str(wrong)], "kv_lora_rank"),
+        (["--config", str(DSV4_FLASH)], "DeepSeek-V4"),
+        (["--config", glm, "--tp", "3"], "does not divide num_attention_heads 64"),
+        (["--config", glm, "--tp", "2", "--dcp", "4"], "must divide --tp"),
+        (["--config", glm, "--tp", "2", "--pcp", "2", "--dcp", "3"], "--dcp must be one of"),
+        (["--config", glm, "--tp", "2", "--ep", "3"], "--ep must be 1 or 2"),
+        (["--config", glm, "--gpu-memory-utilization", "1.5"], "utilization"),
+        (["--config", str(GLM53_FLASH), "--pcp", "2", "--dcp", "2"], "no sparse-MLA backend"),
+    ]
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
+    for argv, message in bad_input_cases(tmp_path):
+        code, out, err = run(capsys, *argv, "--gpu-memory-gib", str(B200))
+        assert code == 2, (argv, out, err)
+        assert err.startswith("mla-serve: error: ") and message in err, (argv, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert out == ""
+
+
+def test_argparse_errors_exit_2(capsys):
+    for argv in (
+        ["--gpu-memory-gib", "179"],
+        ["--config", str(GLM52), "--tp", "0", "--gpu-memory-gib", "179"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", *argv])
+        assert exit_.value.code == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_every_fixture_has_a_source_note():
+    readme = (MODELS / "README.md").read_text()
+    for model in ("DeepSeek-V3.2", "GLM-5.2", "GLM-5.3-Flash", "DeepSeek-V4-Flash"):
+        assert (MODELS / model / "config.json").is_file()
+        assert f"## {model}" in readme
