@@ -15,7 +15,12 @@ class ServerThread:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan=lifespan
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan=lifespan,
+            timeout_graceful_shutdown=1,  # stalled test handlers must not hold shutdown
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

@@ -2,22 +2,30 @@
 
 It speaks vLLM's formats (checked against vLLM's own protocol classes in
 tests/vllm_cpu/test_standin_protocol.py): `/health` (200 with an empty body, 503
-when the engine is dead), `/v1/models` (vLLM's ModelList), `/version`, `/metrics`.
-Tests steer it through `behaviour`: health status, delays, garbage bodies.
-A real vLLM needs a GPU; this runs anywhere and can fail on purpose.
+when the engine is dead), `/v1/models` (vLLM's ModelList), `/version`, `/metrics`,
+and `/v1/chat/completions` and `/v1/completions`, streamed (SSE chunks serialized
+as vLLM does, `data: [DONE]` last) or not, with `reasoning` in the message or delta
+and `usage.completion_tokens_details.reasoning_tokens` as with a reasoning parser.
+Tests steer it through `behaviour`; a request's outcome is chosen by its last
+user message: "[runaway]", "[tools]", "[error]", "[stall]" (no headers), "[hang]"
+(headers, then silence), else a normal answer. A real vLLM needs a GPU; this
+runs anywhere and can fail on purpose.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from http_server import ServerThread
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 VERSION = "0.33.0"
@@ -30,6 +38,11 @@ class Behaviour:
     max_model_len: int = 70000
     delay: float = 0.0  # seconds before every answer
     garbage: bool = False  # /v1/models and /version answer non-JSON
+    token_delay: float = 0.0  # seconds between streamed tokens
+    answer_tokens: int = 5  # tokens of a normal answer (after 3 reasoning tokens)
+    streams_started: int = 0
+    streams_cancelled: int = 0  # streams whose client went away before the end
+    requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
 
 
 def model_list(names: list[str], max_model_len: int) -> dict[str, Any]:
@@ -95,6 +108,8 @@ class StandIn:
                 Route("/v1/models", self._models),
                 Route("/version", self._version),
                 Route("/metrics", self._metrics),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
             ]
         )
 
@@ -122,9 +137,194 @@ class StandIn:
         model = self.behaviour.models[0] if self.behaviour.models else "none"
         return PlainTextResponse(VLLM_METRICS.format(model=model))
 
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        body = await request.json()
+        self.behaviour.requests.append(body)
+        await self._pause()
+        outcome = _outcome(body, chat)
+        if outcome == "error":
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "The engine crashed (stand-in).",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                },
+                status_code=500,
+            )
+        if outcome == "stall":
+            await asyncio.sleep(3600)
+        script = Script(outcome, body, chat, self.behaviour.answer_tokens)
+        if body.get("stream"):
+            return StreamingResponse(self._stream(script), media_type="text/event-stream")
+        return JSONResponse(script.whole())
+
+    async def _stream(self, script: Script) -> AsyncIterator[str]:
+        self.behaviour.streams_started += 1
+        finished = False
+        try:
+            for chunk in script.chunks():
+                if chunk is HANG:
+                    await asyncio.sleep(3600)
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                if self.behaviour.token_delay:
+                    await asyncio.sleep(self.behaviour.token_delay)
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                self.behaviour.streams_cancelled += 1
+
     def start(self) -> StandIn:
         self._server.start()
         return self
 
     def stop(self) -> None:
         self._server.stop()
+
+
+HANG: dict[str, Any] = {}  # a stream marker: stop sending, keep the connection open
+
+
+def _outcome(body: dict[str, Any], chat: bool) -> str:
+    if chat:
+        messages = body.get("messages") or [{}]
+        text = str(messages[-1].get("content", ""))
+    else:
+        text = str(body.get("prompt", ""))
+    for outcome in ("runaway", "tools", "error", "stall", "hang"):
+        if text.startswith(f"[{outcome}]"):
+            return outcome
+    return "answer"
+
+
+@dataclass
+class Script:
+    """One response: reasoning tokens, then visible tokens or a tool call, then finish."""
+
+    outcome: str
+    body: dict[str, Any]
+    chat: bool
+    answer_tokens: int
+
+    def __post_init__(self) -> None:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = str(self.body.get("model", "glm-5.3-flash"))
+        max_tokens = int(self.body.get("max_tokens") or 16)
+        if self.outcome == "runaway":  # thinks until the cap, never answers
+            self.reasoning = [f"think{i} " for i in range(max_tokens)]
+            self.visible: list[str] = []
+            self.finish = "length"
+        else:
+            self.reasoning = [f"think{i} " for i in range(3)]
+            self.visible = (
+                [] if self.outcome == "tools" else [f"word{i} " for i in range(self.answer_tokens)]
+            )
+            self.finish = "tool_calls" if self.outcome == "tools" else "stop"
+        if not self.chat:  # completions have no reasoning channel
+            self.visible, self.reasoning = self.visible or [], []
+            if self.outcome == "runaway":
+                self.visible = ["  " for _ in range(max_tokens)]
+
+    def usage(self, whole: bool = False) -> dict[str, Any]:
+        """Streamed usage leaves unset fields out; whole responses carry them all."""
+        completion = len(self.reasoning) + len(self.visible) + (8 if self.outcome == "tools" else 0)
+        usage: dict[str, Any] = {
+            "prompt_tokens": 12,
+            "total_tokens": 12 + completion,
+            "completion_tokens": completion,
+        }
+        if whole:
+            usage["prompt_tokens_details"] = None
+            usage["completion_tokens_details"] = None
+        if self.chat:
+            usage["completion_tokens_details"] = {"reasoning_tokens": len(self.reasoning)}
+        return usage
+
+    def tool_call(self) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+            "type": "function",
+            "index": 0,
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.id, "object": kind, "created": self.created, "model": self.model,
+            "choices": choices, **extra,
+        }  # fmt: skip
+
+    def _choice(self, piece: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": 0, "delta": piece, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": piece.get("content", ""), "logprobs": None,
+                "finish_reason": finish, "stop_reason": None}  # fmt: skip
+
+    def chunks(self) -> Iterator[dict[str, Any]]:
+        if self.chat:
+            yield self._chunk([self._choice({"role": "assistant", "content": ""})])
+        for token in self.reasoning:
+            yield self._chunk([self._choice({"reasoning": token})])
+        if self.outcome == "hang":
+            yield HANG
+        for token in self.visible:
+            yield self._chunk([self._choice({"content": token})])
+        if self.outcome == "tools":
+            yield self._chunk([self._choice({"tool_calls": [self.tool_call()]})])
+        yield self._chunk([self._choice({"content": ""}, self.finish)])
+        options = self.body.get("stream_options") or {}
+        if options.get("include_usage"):
+            yield self._chunk([], usage=self.usage())
+
+    def whole(self) -> dict[str, Any]:
+        """The response as vLLM's routers send it: the protocol model's full dump."""
+        tail = {"routed_experts": None, "weight_versions": None}
+        if self.chat:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": "".join(self.visible) or None,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+            }
+            if self.outcome == "tools":
+                call = self.tool_call()
+                del call["index"]
+                message["tool_calls"] = [call]
+            message["reasoning"] = "".join(self.reasoning) or None
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": self.finish, "stop_reason": None, "token_ids": None,
+                      **tail}  # fmt: skip
+            extra = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        else:
+            choice = {"index": 0, "text": "".join(self.visible), "logprobs": None,
+                      "finish_reason": self.finish, "stop_reason": None, "token_ids": None,
+                      "prompt_logprobs": None, "prompt_token_ids": None, **tail}  # fmt: skip
+            extra = {}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": self.usage(whole=True),
+            **extra,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }

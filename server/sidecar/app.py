@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -13,7 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from server import __version__
 from server.sidecar import engine, fixes, health, status
+from server.sidecar.canary import Canary
 from server.sidecar.metrics import SidecarCollector, View
+from server.sidecar.proxy import Proxy, ProxySettings, Receive, Scope, Send
+from server.sidecar.runaways import Ledger
 from server.sidecar.settings import Settings
 from server.sidecar.vllm_monitor import VllmMonitor
 
@@ -25,14 +28,50 @@ class Sidecar:
     settings: Settings
     monitor: VllmMonitor
     fix_report: fixes.FixReport
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    registry: CollectorRegistry
+    ledger: Ledger
+    proxy: Proxy
+    canary: Canary | None
 
     @classmethod
     def create(cls, settings: Settings) -> Sidecar:
+        registry = CollectorRegistry()
         monitor = VllmMonitor(settings.vllm_url, settings.probe_timeout, settings.poll_interval)
-        sidecar = cls(settings, monitor, fixes.FixReport(path=settings.manifest))
-        sidecar.registry.register(SidecarCollector(sidecar.view))
+        ledger = Ledger(registry, "mla_serve_")
+        proxy = Proxy(
+            ProxySettings(
+                upstream=settings.vllm_url,
+                connect_timeout=settings.connect_timeout,
+                response_timeout=settings.upstream_timeout,
+                idle_timeout=settings.stream_idle_timeout,
+                max_body_bytes=settings.max_body_bytes,
+            ),
+            ledger,
+        )
+        canary = None
+        if settings.canary_prompt_file is not None:
+            canary = Canary(
+                upstream=settings.vllm_url,
+                prompt_file=settings.canary_prompt_file,
+                model=settings.canary_model,
+                interval=settings.canary_interval,
+                concurrency=settings.canary_concurrency,
+                max_tokens=settings.canary_max_tokens,
+                timeout=settings.upstream_timeout,
+                ledger=Ledger(registry, "mla_serve_canary_"),
+                monitor=monitor,
+            )
+        fix_report = fixes.FixReport(path=settings.manifest)
+        sidecar = cls(settings, monitor, fix_report, registry, ledger, proxy, canary)
+        registry.register(SidecarCollector(sidecar.view))
         return sidecar
+
+    def status_extra(self) -> dict[str, object]:
+        canary: dict[str, object] = {"enabled": self.canary is not None}
+        if self.canary is not None:
+            canary["last_round"] = self.canary.last_round
+            canary["recent_runaways"] = self.canary.ledger.recent_json()
+        return {"runaways": {"recent": self.ledger.recent_json()}, "canary": canary}
 
     def readiness(self) -> health.Verdict:
         return health.readiness(self.monitor.snapshot, self.fix_report, self.settings.model)
@@ -49,21 +88,43 @@ class Sidecar:
             await asyncio.sleep(self.settings.manifest_interval)
 
 
-def create_app(settings: Settings) -> FastAPI:
+class PassThroughRouter:
+    """`/v1/*` goes straight to the proxy; everything else to the FastAPI app.
+
+    Keeping the pass-through outside FastAPI's routing and middleware stack
+    saves per-request work on the hot path.
+    """
+
+    def __init__(self, app: FastAPI, proxy: Proxy) -> None:
+        self.app = app
+        self.proxy = proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            await self.proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def create_app(settings: Settings) -> PassThroughRouter:
     sidecar = Sidecar.create(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await sidecar.proxy.start()
         tasks = [
             asyncio.create_task(sidecar.monitor.run(), name="vllm-monitor"),
             asyncio.create_task(sidecar.verify_fixes_forever(), name="fix-verifier"),
         ]
+        if sidecar.canary is not None:
+            tasks.append(asyncio.create_task(sidecar.canary.run(), name="canary"))
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await sidecar.proxy.close()
 
     app = FastAPI(title="mla-serve sidecar", version=__version__, lifespan=lifespan)
     app.state.sidecar = sidecar
@@ -86,7 +147,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/status", response_model=None)
     async def status_page(request: Request, format: str | None = None) -> Response:
         view = await asyncio.to_thread(sidecar.view)
-        doc = status.document(view, sidecar.readiness(), settings.vllm_url, {})
+        doc = status.document(view, sidecar.readiness(), settings.vllm_url, sidecar.status_extra())
         wants_html = format == "html" or (
             format is None and "text/html" in request.headers.get("accept", "")
         )
@@ -98,4 +159,4 @@ def create_app(settings: Settings) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(sidecar.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return PassThroughRouter(app, sidecar.proxy)

@@ -21,6 +21,17 @@ class Settings:
     poll_interval: float = 1.0
     probe_timeout: float = 2.0
     manifest_interval: float = 60.0
+    # The OpenAI pass-through.
+    connect_timeout: float = 5.0
+    upstream_timeout: float = 600.0
+    stream_idle_timeout: float = 300.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    # The optional canary: a long-prefix prompt sent periodically, counted apart.
+    canary_prompt_file: Path | None = None
+    canary_model: str | None = None
+    canary_interval: float = 300.0
+    canary_concurrency: int = 8
+    canary_max_tokens: int = 2048
 
 
 FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -34,6 +45,40 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--model", "MLA_SERVE_MODEL", str, "served model name readiness requires"),
     ("--poll-interval", "MLA_SERVE_POLL_INTERVAL", float, "seconds between vLLM checks (1)"),
     ("--probe-timeout", "MLA_SERVE_PROBE_TIMEOUT", float, "timeout of each vLLM check (2 s)"),
+    (
+        "--connect-timeout",
+        "MLA_SERVE_CONNECT_TIMEOUT",
+        float,
+        "pass-through: connect to vLLM (5 s)",
+    ),
+    (
+        "--upstream-timeout",
+        "MLA_SERVE_UPSTREAM_TIMEOUT",
+        float,
+        "pass-through: wait for vLLM's response headers, 504 after (600 s)",
+    ),
+    (
+        "--stream-idle-timeout",
+        "MLA_SERVE_STREAM_IDLE_TIMEOUT",
+        float,
+        "pass-through: longest gap between stream chunks (300 s)",
+    ),
+    (
+        "--max-body-bytes",
+        "MLA_SERVE_MAX_BODY_BYTES",
+        int,
+        "pass-through: request size cap (16 MiB)",
+    ),
+    ("--canary-prompt-file", "MLA_SERVE_CANARY_PROMPT_FILE", Path, "canary prompt; off when unset"),
+    ("--canary-model", "MLA_SERVE_CANARY_MODEL", str, "canary model (default: the first served)"),
+    (
+        "--canary-interval",
+        "MLA_SERVE_CANARY_INTERVAL",
+        float,
+        "seconds between canary rounds (300)",
+    ),
+    ("--canary-concurrency", "MLA_SERVE_CANARY_CONCURRENCY", int, "requests per canary round (8)"),
+    ("--canary-max-tokens", "MLA_SERVE_CANARY_MAX_TOKENS", int, "max_tokens of the canary (2048)"),
 )
 
 
@@ -61,8 +106,14 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
     settings = Settings(**values)  # type: ignore[arg-type]
     if not settings.vllm_url.startswith(("http://", "https://")):
         raise SettingsError(f"--vllm-url must be an http(s) URL, got {settings.vllm_url!r}")
-    if settings.poll_interval <= 0 or settings.probe_timeout <= 0:
-        raise SettingsError("--poll-interval and --probe-timeout must be positive")
+    positive = ("poll_interval", "probe_timeout", "connect_timeout", "upstream_timeout",
+                "stream_idle_timeout", "max_body_bytes", "canary_interval", "canary_concurrency",
+                "canary_max_tokens")  # fmt: skip
+    for name in positive:
+        if getattr(settings, name) <= 0:
+            raise SettingsError(f"--{name.replace('_', '-')} must be positive")
+    if settings.canary_prompt_file is not None and not settings.canary_prompt_file.is_file():
+        raise SettingsError(f"--canary-prompt-file {settings.canary_prompt_file} does not exist")
     return settings
 
 

@@ -1,0 +1,78 @@
+"""The optional canary: a long-prefix prompt sent to vLLM now and then.
+
+The seeds' runaways show under a cached prefix over 2048 tokens with requests
+in flight together, so each round sends the same prompt `concurrency` times at
+once (the first request caches the prefix for the others). Its completions are
+classified like user traffic but counted apart (`mla_serve_canary_*`), so an
+alert can tell "the engine produces runaways" from "users asked for little".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from server.sidecar.runaways import Completion, Ledger
+from server.sidecar.vllm_monitor import VllmMonitor
+
+
+@dataclass
+class Canary:
+    upstream: str
+    prompt_file: Path
+    model: str | None
+    interval: float
+    concurrency: int
+    max_tokens: int
+    timeout: float
+    ledger: Ledger
+    monitor: VllmMonitor
+    last_round: dict[str, Any] = field(default_factory=dict)
+
+    async def run(self) -> None:
+        prompt = self.prompt_file.read_text(encoding="utf-8")
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with aiohttp.ClientSession(base_url=self.upstream, timeout=timeout) as session:
+            while True:
+                if self.monitor.snapshot.up and (self.model or self.monitor.snapshot.models):
+                    await self.round(session, prompt)
+                await asyncio.sleep(self.interval)
+
+    async def round(self, session: aiohttp.ClientSession, prompt: str) -> None:
+        model = self.model or self.monitor.snapshot.models[0]
+        outcomes = await asyncio.gather(
+            *(self._one(session, model, prompt) for _ in range(self.concurrency))
+        )
+        self.last_round = {
+            "at": time.time(),
+            "model": model,
+            "requests": self.concurrency,
+            "runaways": sum(o for o in outcomes if o is not None),
+            "errors": sum(1 for o in outcomes if o is None),
+        }
+
+    async def _one(self, session: aiohttp.ClientSession, model: str, prompt: str) -> int | None:
+        """Runaways in one canary response, or None when the request failed."""
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": self.max_tokens,
+            "stream": False,
+        }
+        try:
+            async with session.post("/v1/chat/completions", json=body) as response:
+                payload = await response.read()
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                completion = Completion()
+                completion.add_body(json.loads(payload))
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
+            self.ledger.completions.labels(model, "error").inc()
+            return None
+        return self.ledger.record(completion, model)

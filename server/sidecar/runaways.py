@@ -1,0 +1,162 @@
+"""Classify finished completions and count length-cap runaways.
+
+A runaway (the DeepSeek-V4 symptom of seeds 003/004, vLLM issue 52448) is a
+choice that stopped at the length cap with nothing visible to show for it:
+`finish_reason == "length"`, content empty or whitespace, no tool calls.
+Reasoning may be long: that is where the tokens went. vLLM's own
+`finished_reason="length"` counter cannot tell this from an ordinary
+truncated answer; the sidecar sees the response body and can.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+
+@dataclass
+class Choice:
+    """What a finished choice showed, accumulated over a stream or read at once."""
+
+    visible: bool = False  # any non-whitespace content (chat) or text (completions)
+    tool_calls: bool = False
+    finish_reason: str | None = None
+
+    def add_delta(self, delta: dict[str, Any]) -> None:
+        content = delta.get("content")
+        if isinstance(content, str) and content.strip():
+            self.visible = True
+        if delta.get("tool_calls"):
+            self.tool_calls = True
+
+    @property
+    def runaway(self) -> bool:
+        return self.finish_reason == "length" and not self.visible and not self.tool_calls
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    @classmethod
+    def of(cls, usage: Any) -> Usage:
+        if not isinstance(usage, dict):
+            return cls()
+        details = usage.get("completion_tokens_details") or {}
+        return cls(
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+            details.get("reasoning_tokens") if isinstance(details, dict) else None,
+        )
+
+
+@dataclass
+class Completion:
+    """One response's choices, filled from a JSON body or from stream chunks."""
+
+    id: str | None = None
+    model: str | None = None
+    choices: dict[int, Choice] = field(default_factory=dict)
+    usage: Usage = field(default_factory=Usage)
+
+    def add_chunk(self, chunk: dict[str, Any]) -> None:
+        """A `chat.completion.chunk` or streamed `text_completion`."""
+        self._header(chunk)
+        for raw in chunk.get("choices") or ():
+            choice = self.choices.setdefault(int(raw.get("index", 0)), Choice())
+            if isinstance(raw.get("delta"), dict):
+                choice.add_delta(raw["delta"])
+            elif isinstance(raw.get("text"), str) and raw["text"].strip():
+                choice.visible = True
+            if raw.get("finish_reason"):
+                choice.finish_reason = str(raw["finish_reason"])
+
+    def add_body(self, body: dict[str, Any]) -> None:
+        """A non-streamed `chat.completion` or `text_completion`."""
+        self._header(body)
+        for raw in body.get("choices") or ():
+            choice = self.choices.setdefault(int(raw.get("index", 0)), Choice())
+            message = raw.get("message")
+            if isinstance(message, dict):
+                choice.add_delta(message)
+            elif isinstance(raw.get("text"), str) and raw["text"].strip():
+                choice.visible = True
+            choice.finish_reason = raw.get("finish_reason") or choice.finish_reason
+
+    def _header(self, document: dict[str, Any]) -> None:
+        self.id = self.id or document.get("id")
+        self.model = self.model or document.get("model")
+        if document.get("usage"):
+            self.usage = Usage.of(document["usage"])
+
+
+@dataclass(frozen=True)
+class Runaway:
+    """A recent runaway, as /status lists it: identifiers and counts, never text."""
+
+    request_id: str | None
+    model: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+    at: float
+
+
+class Ledger:
+    """Counters and the recent-runaway list; one per sidecar (and one for the canary)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, recent: int = 50) -> None:
+        self.completions = Counter(
+            f"{prefix}completions",
+            "Finished completion choices seen by the pass-through, by finish reason.",
+            ["model", "finish_reason"],
+            registry=registry,
+        )
+        self.runaways = Counter(
+            f"{prefix}runaway_completions",
+            "Choices that hit the length cap with no visible content and no tool calls.",
+            ["model"],
+            registry=registry,
+        )
+        self.runaway_tokens = Counter(
+            f"{prefix}runaway_tokens",
+            "Completion tokens spent by runaway responses.",
+            ["model"],
+            registry=registry,
+        )
+        self.recent: deque[Runaway] = deque(maxlen=recent)
+
+    def record(self, completion: Completion, fallback_model: str | None) -> int:
+        """Count every finished choice; return how many were runaways."""
+        model = completion.model or fallback_model or "unknown"
+        runaways = 0
+        for choice in completion.choices.values():
+            self.completions.labels(model, choice.finish_reason or "error").inc()
+            if choice.runaway:
+                runaways += 1
+                self.runaways.labels(model).inc()
+        if runaways:
+            tokens = completion.usage.completion_tokens
+            if tokens:
+                self.runaway_tokens.labels(model).inc(tokens)
+            usage = completion.usage
+            self.recent.appendleft(
+                Runaway(
+                    completion.id,
+                    model,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    usage.reasoning_tokens,
+                    time.time(),
+                )
+            )
+        return runaways
+
+    def recent_json(self) -> list[dict[str, Any]]:
+        return [asdict(runaway) for runaway in self.recent]
