@@ -22,15 +22,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import trees  # noqa: E402
-from http_server import ServerThread  # noqa: E402
-from test_sidecar import _plugin_state  # noqa: E402
-from vllm_standin import StandIn  # noqa: E402
+import trees
+from http_server import ServerThread
+from test_sidecar import _plugin_state
+from vllm_standin import StandIn
 
-from server.patching import catalog, engine, manifest, tree  # noqa: E402
-from server.plugin import state  # noqa: E402
-from server.sidecar.app import create_app  # noqa: E402
-from server.sidecar.settings import Settings  # noqa: E402
+from server.patching import catalog, engine, manifest, tree
+from server.plugin import state
+from server.sidecar.app import create_app
+from server.sidecar.settings import Settings
 
 TARGETS_MS = {"/metrics": 10.0, "/readyz": 5.0}
 
@@ -93,16 +93,24 @@ def main() -> int:
         figures["target_ms"] = target_ms
         figures["meets_target"] = figures["p99_ms"] <= target_ms
         ok &= figures["meets_target"]
-        print(f"{path}: median {figures['median_ms']} ms, p99 {figures['p99_ms']} ms "
-              f"(target {target_ms} ms)")
+        print(
+            f"{path}: median {figures['median_ms']} ms, p99 {figures['p99_ms']} ms "
+            f"(target {target_ms} ms)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "sidecar /metrics and /readyz latency, vLLM healthy, 4 ranks",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"python": platform.python_version()},
-        "requests": args.requests,
-        "results": results,
-    }, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "sidecar /metrics and /readyz latency, vLLM healthy, 4 ranks",
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": {"python": platform.python_version()},
+                "requests": args.requests,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"results: {args.out}")
     return 0 if ok else 1
 
