@@ -1,0 +1,192 @@
+{{/* Names and labels */}}
+{{- define "mla-serve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "mla-serve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mla-serve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Pods that serve: the Deployment's or the LeaderWorkerSet's (never the test pod). */}}
+{{- define "mla-serve.serverSelectorLabels" -}}
+{{ include "mla-serve.selectorLabels" . }}
+app.kubernetes.io/component: server
+{{- end -}}
+
+{{- define "mla-serve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "mla-serve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mla-serve
+{{- with .Values.profile }}
+mla-serve.io/profile: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "mla-serve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "mla-serve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.servedModelName" -}}
+{{- default .Values.model.name .Values.vllm.servedModelName -}}
+{{- end -}}
+
+{{/* Layout: everything below derives from .Values.parallelism and .Values.gpu.perNode. */}}
+{{- define "mla-serve.world" -}}
+{{- $p := .Values.parallelism -}}
+{{- mul (int $p.tensor) (int $p.prefillContext) (int $p.pipeline) (int $p.data) -}}
+{{- end -}}
+
+{{- define "mla-serve.nodes" -}}
+{{- $world := int (include "mla-serve.world" .) -}}
+{{- $perNode := int .Values.gpu.perNode -}}
+{{- if le $world $perNode -}}1{{- else -}}{{ div $world $perNode }}{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.gpusPerPod" -}}
+{{- $world := int (include "mla-serve.world" .) -}}
+{{- min $world (int .Values.gpu.perNode) -}}
+{{- end -}}
+
+{{- define "mla-serve.multiNode" -}}
+{{- if gt (int (include "mla-serve.nodes" .)) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.computeDomain" -}}
+{{- if and (include "mla-serve.multiNode" .) .Values.multiNode.computeDomain.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The CUDA graph mode the engine is asked to run: what the mismatch alert expects. */}}
+{{- define "mla-serve.cudagraphIntent" -}}
+{{- if .Values.vllm.enforceEager -}}NONE{{- else -}}{{ .Values.vllm.cudagraphMode }}{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.apiPortName" -}}
+{{- if .Values.sidecar.passthrough -}}sidecar-http{{- else -}}vllm-http{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.apiPort" -}}
+{{- if .Values.sidecar.passthrough -}}{{ .Values.sidecar.port }}{{- else -}}{{ .Values.vllm.port }}{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.startupMinutes" -}}
+{{- $s := .Values.startup -}}
+{{- add (int $s.weightLoadMinutes) (int $s.compileMinutes) (int $s.cudaGraphCaptureMinutes) -}}
+{{- end -}}
+
+{{/* Probe attempts covering the start-up budget (at least one). */}}
+{{- define "mla-serve.startupFailureThreshold" -}}
+{{- $seconds := mul (int (include "mla-serve.startupMinutes" .)) 60 -}}
+{{- $period := int .Values.startup.periodSeconds -}}
+{{- max 1 (div (add $seconds (sub $period 1)) $period) -}}
+{{- end -}}
+
+{{/* A Hugging Face repo id (fetched into the cache) rather than a path in the pod. */}}
+{{- define "mla-serve.modelFromHub" -}}
+{{- if not (hasPrefix "/" .Values.model.name) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.prefetch" -}}
+{{- if and .Values.modelCache.prefetch (include "mla-serve.modelFromHub" .) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "mla-serve.modelCacheClaim" -}}
+{{- default (printf "%s-model-cache" (include "mla-serve.fullname" .)) .Values.modelCache.existingClaim -}}
+{{- end -}}
+
+{{/*
+vLLM flags from the typed values and the parallelism block, one list item per flag.
+Flags that only multi-node pods need are added by the pod template.
+*/}}
+{{- define "mla-serve.vllmArgs" -}}
+{{- $v := .Values.vllm -}}
+{{- $p := .Values.parallelism -}}
+- {{ .Values.model.name | quote }}
+- --served-model-name={{ include "mla-serve.servedModelName" . }}
+{{- with .Values.model.revision }}
+- --revision={{ . }}
+{{- end }}
+{{- if .Values.model.trustRemoteCode }}
+- --trust-remote-code
+{{- end }}
+- --tensor-parallel-size={{ $p.tensor }}
+- --prefill-context-parallel-size={{ $p.prefillContext }}
+- --decode-context-parallel-size={{ $p.decodeContext }}
+- --pipeline-parallel-size={{ $p.pipeline }}
+- --data-parallel-size={{ $p.data }}
+{{- if $p.expert }}
+- --enable-expert-parallel
+{{- end }}
+- --gpu-memory-utilization={{ $v.gpuMemoryUtilization }}
+{{- with $v.maxModelLen }}
+- --max-model-len={{ int . }}
+{{- end }}
+{{- with $v.maxNumBatchedTokens }}
+- --max-num-batched-tokens={{ int . }}
+{{- end }}
+{{- with $v.maxNumSeqs }}
+- --max-num-seqs={{ int . }}
+{{- end }}
+{{- with $v.kvCacheDtype }}
+- --kv-cache-dtype={{ . }}
+{{- end }}
+{{- with $v.attentionBackend }}
+- --attention-backend={{ . }}
+{{- end }}
+{{- if $v.enforceEager }}
+- --enforce-eager
+{{- else }}
+- {{ printf "--compilation-config={\"cudagraph_mode\": \"%s\"}" $v.cudagraphMode | quote }}
+{{- end }}
+{{- if eq (toString $v.enablePrefixCaching) "true" }}
+- --enable-prefix-caching
+{{- else if eq (toString $v.enablePrefixCaching) "false" }}
+- --no-enable-prefix-caching
+{{- end }}
+{{- with $v.reasoningParser }}
+- --reasoning-parser={{ . }}
+{{- end }}
+{{- with $v.toolCallParser }}
+- --enable-auto-tool-choice
+- --tool-call-parser={{ . }}
+{{- end }}
+{{- with $v.dtype }}
+- --dtype={{ . }}
+{{- end }}
+{{- with $v.quantization }}
+- --quantization={{ . }}
+{{- end }}
+{{- with $v.disableAccessLogForEndpoints }}
+- --disable-access-log-for-endpoints={{ . }}
+{{- end }}
+{{- range $v.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}

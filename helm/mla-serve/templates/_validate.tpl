@@ -1,0 +1,65 @@
+{{/*
+Checks that need arithmetic or cross-value knowledge. values.schema.json already rejects the
+layouts it can express; these repeat the layout checks (so --skip-schema-validation cannot
+produce a pod vLLM refuses) and add the ones a schema cannot state.
+*/}}
+{{- define "mla-serve.validate" -}}
+{{- $p := .Values.parallelism -}}
+{{- $world := int (include "mla-serve.world" .) -}}
+{{- $perNode := int .Values.gpu.perNode -}}
+{{- $group := mul (int $p.tensor) (int $p.prefillContext) -}}
+{{- $layout := printf "TP%d x PCP%d x PP%d x DP%d = %d GPUs" (int $p.tensor) (int $p.prefillContext) (int $p.pipeline) (int $p.data) $world -}}
+{{- if and (gt $world $perNode) (ne (mod $world $perNode) 0) -}}
+{{- fail (printf "parallelism: %s does not split evenly over nodes of gpu.perNode=%d GPUs; vLLM needs the same number of GPUs on every node (--nnodes must divide the world size)" $layout $perNode) -}}
+{{- end -}}
+{{- if and (gt $group $perNode) (not .Values.multiNode.computeDomain.enabled) -}}
+{{- fail (printf "parallelism: the TP x PCP group (%d GPUs) does not fit one node of gpu.perNode=%d GPUs; its per-layer collectives need NVLink: reduce it, or enable multiNode.computeDomain on an NVL72 rack" $group $perNode) -}}
+{{- end -}}
+{{- $dcp := int $p.decodeContext -}}
+{{- if eq (int $p.prefillContext) 1 -}}
+{{- if ne (mod (int $p.tensor) $dcp) 0 -}}
+{{- fail (printf "parallelism: decodeContext=%d must divide tensor=%d (without PCP, DCP reuses the TP ranks)" $dcp (int $p.tensor)) -}}
+{{- end -}}
+{{- else if not (has $dcp (list 1 (int $p.prefillContext) $group)) -}}
+{{- fail (printf "parallelism: with prefillContext=%d, decodeContext must be 1, %d or %d (off, the PCP axis, or TP x PCP); got %d" (int $p.prefillContext) (int $p.prefillContext) $group $dcp) -}}
+{{- end -}}
+{{- if eq (int .Values.sidecar.port) (int .Values.vllm.port) -}}
+{{- fail (printf "sidecar.port and vllm.port are both %d; they share the pod's network namespace" (int .Values.vllm.port)) -}}
+{{- end -}}
+{{- $owned := dict
+  "--tensor-parallel-size" "parallelism.tensor" "-tp" "parallelism.tensor"
+  "--prefill-context-parallel-size" "parallelism.prefillContext" "-pcp" "parallelism.prefillContext"
+  "--decode-context-parallel-size" "parallelism.decodeContext" "-dcp" "parallelism.decodeContext"
+  "--pipeline-parallel-size" "parallelism.pipeline" "-pp" "parallelism.pipeline"
+  "--data-parallel-size" "parallelism.data" "-dp" "parallelism.data"
+  "--enable-expert-parallel" "parallelism.expert" "-ep" "parallelism.expert"
+  "--nnodes" "parallelism (derived)" "--node-rank" "parallelism (derived)"
+  "--master-addr" "the chart (multi-node)" "--master-port" "multiNode.masterPort" "--headless" "the chart (multi-node)"
+  "--host" "the chart" "--port" "vllm.port" "--served-model-name" "model.servedModelName"
+  "--gpu-memory-utilization" "vllm.gpuMemoryUtilization" "--max-model-len" "vllm.maxModelLen"
+  "--max-num-batched-tokens" "vllm.maxNumBatchedTokens" "--kv-cache-dtype" "vllm.kvCacheDtype"
+  "--attention-backend" "vllm.attentionBackend" "--enforce-eager" "vllm.enforceEager"
+  "--compilation-config" "vllm.cudagraphMode" "-cc.cudagraph_mode" "vllm.cudagraphMode"
+  "--compilation-config.cudagraph_mode" "vllm.cudagraphMode" -}}
+{{- range .Values.vllm.extraArgs -}}
+{{- $flag := regexReplaceAll "=.*$" . "" -}}
+{{- if hasKey $owned $flag -}}
+{{- fail (printf "vllm.extraArgs: %s is set by %s; set it there, not in extraArgs" $flag (get $owned $flag)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.modelCache.enabled (not .Values.modelCache.existingClaim) -}}
+{{- $shared := or (has "ReadWriteMany" .Values.modelCache.create.accessModes) (has "ReadOnlyMany" .Values.modelCache.create.accessModes) -}}
+{{- if and (not $shared) (or (include "mla-serve.multiNode" .) (gt (int .Values.replicaCount) 1)) -}}
+{{- fail (printf "modelCache.create.accessModes %v cannot be mounted by %d nodes x %d replicas; use ReadWriteMany or modelCache.existingClaim" .Values.modelCache.create.accessModes (int (include "mla-serve.nodes" .)) (int .Values.replicaCount)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.monitoring.podMonitor.enabled .Values.monitoring.serviceMonitor.enabled -}}
+{{- fail "monitoring.podMonitor and monitoring.serviceMonitor are both enabled: every target would be scraped twice; keep one" -}}
+{{- end -}}
+{{- if and (eq .Values.strategy.type "Recreate") .Values.strategy.rollingUpdate -}}
+{{- fail "strategy.rollingUpdate only applies to strategy.type RollingUpdate" -}}
+{{- end -}}
+{{- if and .Values.modelCache.offline (not .Values.modelCache.enabled) -}}
+{{- fail "modelCache.offline needs modelCache.enabled: an emptyDir cache is empty at every start" -}}
+{{- end -}}
+{{- end -}}
