@@ -187,16 +187,18 @@ def layout_rules() -> list[Schema]:
         group = tp * pcp
         if group <= 1:
             continue
-        rules.append(
-            when(
-                {
-                    ("parallelism", "tensor"): tp,
-                    ("parallelism", "prefillContext"): pcp,
-                    ("multiNode", "computeDomain", "enabled"): False,
-                },
-                {("gpu", "perNode"): {"minimum": group}},
-            )
+        # Either the node is big enough or NVLink spans nodes: Helm prints both alternatives.
+        rule = when(
+            {("parallelism", "tensor"): tp, ("parallelism", "prefillContext"): pcp},
+            {},
         )
+        rule["then"] = {
+            "anyOf": [
+                nest({("gpu", "perNode"): {"minimum": group}}),
+                nest({("multiNode", "computeDomain", "enabled"): {"const": True}}),
+            ]
+        }
+        rules.append(rule)
     # A layout larger than one node must give every node the same number of GPUs (vLLM:
     # --nnodes must divide the world size). tensor x prefillContext x pipeline is a power of two,
     # so only the data-parallel size can break the split: with g GPUs per node and a model group

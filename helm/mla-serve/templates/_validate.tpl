@@ -20,8 +20,8 @@ produce a pod vLLM refuses) and add the ones a schema cannot state.
 {{- if ne (mod (int $p.tensor) $dcp) 0 -}}
 {{- fail (printf "parallelism: decodeContext=%d must divide tensor=%d (without PCP, DCP reuses the TP ranks)" $dcp (int $p.tensor)) -}}
 {{- end -}}
-{{- else if not (has $dcp (list 1 (int $p.prefillContext) $group)) -}}
-{{- fail (printf "parallelism: with prefillContext=%d, decodeContext must be 1, %d or %d (off, the PCP axis, or TP x PCP); got %d" (int $p.prefillContext) (int $p.prefillContext) $group $dcp) -}}
+{{- else if not (has $dcp (list 1 (int $p.prefillContext) (int $group))) -}}
+{{- fail (printf "parallelism: with prefillContext=%d, decodeContext must be one of %s (off, the PCP axis, or TP x PCP); got %d" (int $p.prefillContext) (list 1 (int $p.prefillContext) (int $group) | uniq | join ", ") $dcp) -}}
 {{- end -}}
 {{- if eq (int .Values.sidecar.port) (int .Values.vllm.port) -}}
 {{- fail (printf "sidecar.port and vllm.port are both %d; they share the pod's network namespace" (int .Values.vllm.port)) -}}

@@ -1,0 +1,240 @@
+"""values.schema.json (and the chart's own checks) reject bad values with a readable message."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from typing import Any
+
+import helm_python as helm
+import pytest
+from helm_support import (
+    CASES,
+    CHART,
+    PROFILES_DIR,
+    REPO,
+    case_values,
+    chart,
+    load_values,
+    merge,
+    render,
+    run,
+)
+
+GB300 = load_values([PROFILES_DIR / "gb300-tp4.yaml"])
+
+# (values on top of the gb300-tp4 profile, lines the error must contain)
+SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "wrong type": (
+        {"parallelism": {"tensor": "4"}},
+        ["at '/parallelism/tensor': got string, want integer"],
+    ),
+    "not a power of two": (
+        {"parallelism": {"tensor": 3}},
+        ["at '/parallelism/tensor': value must be one of 1, 2, 4, 8, 16, 32, 64"],
+    ),
+    "misspelt key": (
+        {"parallelism": {"tensorParallel": 4}},
+        ["at '/parallelism': additional properties 'tensorParallel' not allowed"],
+    ),
+    "TP x PCP larger than the node (GB300 tray)": (
+        {"parallelism": {"tensor": 4, "prefillContext": 2}},
+        [
+            "at '/gpu/perNode': minimum: got 4, want 8",
+            "at '/multiNode/computeDomain/enabled': value must be true",
+        ],
+    ),
+    "TP8 on a 4-GPU node": (
+        {"parallelism": {"tensor": 8}},
+        ["at '/gpu/perNode': minimum: got 4, want 8"],
+    ),
+    "DCP not dividing TP (no PCP)": (
+        {"parallelism": {"tensor": 2, "decodeContext": 4}},
+        ["at '/parallelism/tensor': value must be one of 4, 8, 16, 32, 64"],
+    ),
+    "DCP neither PCP nor TP x PCP": (
+        {"parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 2}},
+        ["at '/parallelism/decodeContext': value must be one of 1, 4"],
+    ),
+    "DP that splits unevenly over nodes": (
+        {"parallelism": {"tensor": 2, "data": 3}},
+        [
+            "at '/parallelism/data': maximum: got 3, want 2",
+            "at '/parallelism/data': multipleOf: got 3, want 2",
+        ],
+    ),
+    "GPUs per node": (
+        {"gpu": {"perNode": 6}},
+        ["at '/gpu/perNode': value must be one of 1, 2, 4, 8"],
+    ),
+    "utilization above 1": (
+        {"vllm": {"gpuMemoryUtilization": 1.5}},
+        ["at '/vllm/gpuMemoryUtilization': maximum: got 1.5, want 1"],
+    ),
+    "unknown CUDA graph mode": (
+        {"vllm": {"cudagraphMode": "piecewise"}},
+        ["at '/vllm/cudagraphMode': value must be one of 'NONE', 'PIECEWISE'"],
+    ),
+    "eager with a CUDA graph mode": (
+        {"vllm": {"enforceEager": True}},
+        ["at '/vllm/cudagraphMode': value must be 'NONE'"],
+    ),
+    "plugins without mla_serve": (
+        {"vllm": {"plugins": ["other_plugin"]}},
+        ["at '/vllm/plugins/0': value must be 'mla_serve'"],
+    ),
+    "unknown KV cache dtype": (
+        {"vllm": {"kvCacheDtype": "fp4"}},
+        ["at '/vllm/kvCacheDtype': value must be one of"],
+    ),
+    "bad quantity": (
+        {"shm": {"sizeLimit": "lots"}},
+        ["at '/shm/sizeLimit': 'lots' does not match pattern"],
+    ),
+    "bad duration": (
+        {"monitoring": {"prometheusRule": {"runaways": {"window": "ten minutes"}}}},
+        ["at '/monitoring/prometheusRule/runaways/window'"],
+    ),
+}
+
+# Checks that need arithmetic across values or knowledge of the cluster: the chart's `fail`.
+TEMPLATE_REJECTS: dict[str, tuple[dict[str, Any], str]] = {
+    "a flag owned by the parallelism block": (
+        {"vllm": {"extraArgs": ["--tensor-parallel-size=8"]}},
+        "vllm.extraArgs: --tensor-parallel-size is set by parallelism.tensor; "
+        "set it there, not in extraArgs",
+    ),
+    "a ReadWriteOnce cache for two replicas": (
+        {"replicaCount": 2},
+        "modelCache.create.accessModes [ReadWriteOnce] cannot be mounted by 1 nodes x 2 replicas",
+    ),
+    "a ReadWriteOnce cache for a multi-node group": (
+        {
+            "parallelism": {"tensor": 4, "prefillContext": 2},
+            "multiNode": {"computeDomain": {"enabled": True}},
+        },
+        "cannot be mounted by 2 nodes x 1 replicas; use ReadWriteMany",
+    ),
+    "two scrape objects": (
+        {"monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}},
+        "monitoring.podMonitor and monitoring.serviceMonitor are both enabled",
+    ),
+    "rolling update settings on Recreate": (
+        {"strategy": {"type": "Recreate", "rollingUpdate": {"maxSurge": 0}}},
+        "strategy.rollingUpdate only applies to strategy.type RollingUpdate",
+    ),
+    "sidecar on vLLM's port": (
+        {"sidecar": {"port": 8000}},
+        "sidecar.port and vllm.port are both 8000",
+    ),
+    "offline without a cache": (
+        {"modelCache": {"enabled": False, "offline": True}},
+        "modelCache.offline needs modelCache.enabled",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMA_REJECTS))
+def test_schema_rejects(name: str) -> None:
+    override, expected = SCHEMA_REJECTS[name]
+    values = merge(GB300, override)
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart().validate_schema(values)
+    message = str(caught.value)
+    for line in expected:
+        assert line in message, f"{name}: {line!r} not in:\n{message}"
+    # Installing goes through the same check.
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+    # And `helm lint` reports it as an error.
+    report = helm.lint(str(REPO / "helm" / "mla-serve"), values, strict=True)
+    assert any(expected[0] in error for error in report["errors"])
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATE_REJECTS))
+def test_chart_rejects(name: str) -> None:
+    override, expected = TEMPLATE_REJECTS[name]
+    values = merge(GB300, override)
+    chart().validate_schema(values)  # well-typed: the schema alone cannot tell
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(values)
+    assert expected in str(caught.value)
+
+
+# The same layouts with the schema out of the way (helm install --skip-schema-validation).
+TEMPLATE_BACKUPS: dict[str, tuple[dict[str, Any], str]] = {
+    "TP x PCP larger than the node": (
+        {"parallelism": {"tensor": 4, "prefillContext": 2}},
+        "parallelism: the TP x PCP group (8 GPUs) does not fit one node of gpu.perNode=4 GPUs",
+    ),
+    "uneven split": (
+        {"parallelism": {"tensor": 2, "data": 3}},
+        "parallelism: TP2 x PCP1 x PP1 x DP3 = 6 GPUs does not split evenly over nodes of "
+        "gpu.perNode=4 GPUs",
+    ),
+    "DCP not dividing TP": (
+        {"parallelism": {"tensor": 2, "decodeContext": 4}},
+        "parallelism: decodeContext=4 must divide tensor=2",
+    ),
+    "DCP with PCP": (
+        {"parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 2}},
+        "parallelism: with prefillContext=4, decodeContext must be one of 1, 4",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> helm.Chart:
+    copy = tmp_path_factory.mktemp("chart") / "mla-serve"
+    shutil.copytree(CHART, copy)
+    (copy / "values.schema.json").unlink()
+    return helm.Chart.load(str(copy))
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATE_BACKUPS))
+def test_template_checks_back_up_the_schema(name: str, chart_without_schema: helm.Chart) -> None:
+    override, expected = TEMPLATE_BACKUPS[name]
+    with pytest.raises(helm.HelmRenderError) as caught:
+        chart_without_schema.render(merge(GB300, override), name="mla", namespace="serving")
+    assert expected in str(caught.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shipped_values_pass(case: str) -> None:
+    chart().validate_schema(case_values(case))
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        (
+            {
+                "parallelism": {"tensor": 4, "data": 2},
+                "modelCache": {"existingClaim": "shared-weights"},
+            },
+            "TP4 x DP2 on 4-GPU trays: two whole nodes",
+        ),
+        (
+            {
+                "parallelism": {"tensor": 4, "prefillContext": 2},
+                "multiNode": {"computeDomain": {"enabled": True}},
+                "modelCache": {"create": {"accessModes": ["ReadWriteMany"]}},
+            },
+            "TP x PCP over two trays with multi-node NVLink",
+        ),
+        ({"parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 4}}, "DCP = PCP"),
+        ({"parallelism": {"tensor": 2, "prefillContext": 2, "decodeContext": 4}}, "DCP=TPxPCP"),
+        ({"parallelism": {"tensor": 4, "decodeContext": 2}}, "DCP inside TP"),
+        ({"parallelism": {"tensor": 1, "data": 3}}, "DP3 on one 4-GPU node"),
+    ],
+)
+def test_schema_accepts_valid_layouts(override: dict[str, Any], reason: str) -> None:
+    values = merge(GB300, override)
+    chart().validate_schema(values)
+    render(values)
+
+
+@pytest.mark.parametrize("tool", ["gen_schema.py", "gen_dashboard.py"])
+def test_generated_files_are_current(tool: str) -> None:
+    result = run([sys.executable, str(REPO / "helm" / "tools" / tool), "--check"])
+    assert result.returncode == 0, result.stderr
