@@ -1,0 +1,87 @@
+"""server.sizing's workspace against vLLM's own `compute_trtllm_sparse_mla_workspace_bytes`.
+
+Runs once per release and state (patched, pristine) in the child pytest started by
+tests/test_vllm_behaviour.py: every tree that has the function, upstream or from our
+dcp-workspace-sizing patch, must agree with the sizing model byte for byte.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+
+import pytest
+
+from server import sizing
+
+DCP = (1, 2, 4, 8)
+HEADS = (16, 32, 64, 128)
+TOKENS = (1, 4096, 8192, 32768)
+
+
+@pytest.fixture
+def backend(expect):
+    fixed = expect.fixed("dcp-workspace-sizing")
+    module = importlib.import_module("vllm.v1.attention.backends.mla.flashinfer_mla_sparse")
+    if not hasattr(module, "compute_trtllm_sparse_mla_workspace_bytes"):
+        assert not fixed, "the fix is claimed but the function is missing"
+        pytest.skip(
+            f"pristine vLLM {expect.release} has no compute_trtllm_sparse_mla_workspace_bytes "
+            "(dcp-workspace-sizing not applied: a fixed 394 MiB buffer)"
+        )
+    return module
+
+
+def _base(backend) -> int:
+    """The base vLLM adds the slab to: upstream's name, or our 0.27.1-0.29.0 patch's."""
+    for name in ("_DEFAULT_WORKSPACE_BUFFER_SIZE", "_BASE_WORKSPACE_BYTES"):
+        if hasattr(backend, name):
+            return int(getattr(backend, name))
+    raise AssertionError("no base workspace constant next to the workspace function")
+
+
+def test_workspace_matches_vllm_over_the_grid(backend):
+    compute = backend.compute_trtllm_sparse_mla_workspace_bytes
+    base = _base(backend)
+    assert base == sizing.DEFAULT_WORKSPACE_BYTES
+    for dcp, heads, tokens in itertools.product(DCP, HEADS, TOKENS):
+        assert sizing.workspace_bytes(dcp, heads, tokens) == compute(base, dcp, heads, tokens), (
+            dcp,
+            heads,
+            tokens,
+        )
+        assert sizing.workspace_bytes(dcp, heads, tokens, base=1 << 20) == compute(
+            1 << 20, dcp, heads, tokens
+        )
+
+
+def test_default_base_is_vllms_env_default(backend, monkeypatch):
+    monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", raising=False)
+    envs = importlib.import_module("vllm.envs")
+    assert envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE == sizing.DEFAULT_WORKSPACE_BYTES
+
+
+def test_override_semantics_match_vllm(backend, monkeypatch):
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    backend.logger.addHandler(handler)
+    try:
+        monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", raising=False)
+        for dcp, heads, tokens in itertools.product((2, 4), (32, 64), (4096, 32768)):
+            ours, warning = sizing.required_workspace_bytes(dcp, heads, tokens)
+            assert ours == backend._required_workspace_bytes(dcp, heads, tokens)
+            assert warning is None
+        for override in (1 << 20, 3 << 30, 64 << 30):
+            monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(override))
+            ours, warning = sizing.required_workspace_bytes(4, 64, 32768, override=override)
+            assert ours == backend._required_workspace_bytes(4, 64, 32768) == override
+            assert (warning is not None) == (override < 17_594_056_704)
+    finally:
+        backend.logger.removeHandler(handler)
+    assert records, "vLLM warns when the override is below the computed size"
