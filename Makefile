@@ -19,7 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test lint format bench clean
+.PHONY: help dist test lint format bench gpu-pack gpu-test clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -66,5 +66,31 @@ bench: $(VENV)/.test-deps  ## benchmarks; results in build/bench/*.json
 	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
 	$(BIN)/python tests/bench/bench_sidecar.py --out build/bench/sidecar.json
 
+gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into build/gpu-pack
+	$(BIN)/python tests/gpu/pack.py --out build/gpu-pack
+
+gpu-test:  ## GPU suite: run on a CUDA machine (no network) over the packed trees
+	bash tests/gpu/run.sh build/gpu-pack
+
 clean:  ## remove build outputs (keeps the download cache)
 	rm -rf build $(VENV)
+
+# --- image ---
+# The container image (docker/, README "Container image"). `image` builds it on
+# BASE_IMAGE (default: the official vLLM image of VLLM_VERSION; VLLM_SOURCE=index
+# installs vLLM from the package index on a CUDA base instead). `image-smoke` builds
+# it with no registry (debootstrap base, vLLM from PyPI, private dockerd that leaves
+# the host network alone), checks it inside and prints its size; too heavy for
+# `make test`, which lints the Dockerfile (tests/test_dockerfile.py).
+IMAGE ?=
+BASE_IMAGE ?= vllm/vllm-openai:v$(VLLM_VERSION)
+VLLM_SOURCE ?= base
+
+.PHONY: image image-smoke
+image:  ## build the image (IMAGE=tag BASE_IMAGE=… VLLM_SOURCE=base|index VLLM_VERSION=…)
+	IMAGE='$(IMAGE)' VLLM_VERSION='$(VLLM_VERSION)' BASE_IMAGE='$(BASE_IMAGE)' \
+	  VLLM_SOURCE='$(VLLM_SOURCE)' PYTHON='$(PYTHON)' docker/build.sh
+
+image-smoke:  ## build the image without a registry, check it inside, print its size
+	VLLM_VERSION='$(VLLM_VERSION)' PYTHON='$(PYTHON)' docker/smoke.sh
+# --- end image ---

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import trees
 
-from server.patching import catalog, engine, tree
+from server import cli
+from server.patching import catalog
 
 CATALOG = catalog.load()
 CASES = [(r, "pristine") for r in trees.RELEASES] + [
@@ -31,9 +32,7 @@ def test_vllm_code_behaves_as_the_catalog_says(release: str, state: str, tmp_pat
     target = trees.pristine(release)
     if state == "patched":
         target = trees.clone(release, tmp_path / "tree")
-        plan = engine.plan(tree.locate(target), CATALOG)
-        engine.check(plan, CATALOG)
-        engine.write(plan)
+        assert cli.main(["patches", "apply", "--target", str(target)]) == 0  # as users do
     child = subprocess.run(
         [
             sys.executable,

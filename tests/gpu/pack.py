@@ -1,0 +1,124 @@
+"""`make gpu-pack`: what the GPU machine needs, small enough to carry (64 MiB a run).
+
+For each packed release: the files of its pristine tree that the GPU suite
+imports (its import closure, found by importing those modules here on the CPU;
+the patched tree is made there by `mla-serve patches apply`), as one .tar.xz.
+Plus the light cp312 wheels of tests/gpu/wheels.txt, downloaded once into
+.cache/gpu-wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import trees  # noqa: E402
+
+RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.33.0")
+LIMIT_MIB = 56  # leaves room for the repository itself in the 64 MiB a run carries
+IMPORTS = (
+    "vllm.forward_context",
+    "vllm.config",
+    "vllm.compilation.breakable_cudagraph",
+    "vllm.utils.torch_utils",
+    "vllm.v1.attention.backends.utils",
+    "vllm.v1.attention.backends.mla.indexer",
+    "vllm.v1.attention.backends.mla.flashinfer_mla_sparse",
+    "vllm.v1.attention.backends.mla.sparse_utils",
+    "vllm.v1.attention.backends.mla.index_group",
+    "vllm.v1.hisparse.runtime",
+    "vllm.v1.attention.ops.common",
+    "vllm.v1.attention.ops.dcp",
+    "vllm.models.deepseek_v4.attention",
+    "vllm.models.deepseek_v4.sparse_mla",
+)
+CLOSURE = """
+import importlib, os, sys
+root = os.path.abspath(sys.argv[1])
+for name in sys.argv[2:]:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if not name.startswith(error.name or "?"):
+            raise  # not absent from this release: a real import failure
+for module in list(sys.modules.values()):
+    path = os.path.abspath(getattr(module, "__file__", None) or "")
+    if path.startswith(root + os.sep):
+        print("CLOSURE " + os.path.relpath(path, root))
+"""
+
+
+def closure(release: str) -> list[str]:
+    tree = trees.pristine(release)
+    result = subprocess.run(
+        [sys.executable, "-c", CLOSURE, str(tree), *IMPORTS],
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    files = {
+        line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("CLOSURE ")
+    }
+    files |= {str(p.relative_to(tree)) for p in tree.glob("vllm-*.dist-info/METADATA")}
+    return sorted(files)
+
+
+def wheels(dest: Path) -> None:
+    cache = ROOT / ".cache" / "gpu-wheels"
+    cache.mkdir(parents=True, exist_ok=True)
+    requirements = ROOT / "tests" / "gpu" / "wheels.txt"
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.12", "--implementation", "cp",
+            *[f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)],
+            "--platform=manylinux2014_x86_64", "--platform=any",
+            "-d", str(cache), "-r", str(requirements),
+        ],
+        check=True,
+    )  # fmt: skip
+    names = {
+        line.split("==")[0].lower().replace("-", "_")
+        for line in requirements.read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    dest.mkdir(parents=True, exist_ok=True)
+    for wheel in cache.glob("*.whl"):
+        if wheel.name.split("-")[0].lower() in names:
+            shutil.copy2(wheel, dest / wheel.name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-pack")
+    args = parser.parse_args()
+    shutil.rmtree(args.out, ignore_errors=True)
+    (args.out / "trees").mkdir(parents=True)
+    sizes = {}
+    for release in RELEASES:
+        files = closure(release)
+        archive = args.out / "trees" / f"vllm-{release}.tar.xz"
+        with tarfile.open(archive, "w:xz") as tar:
+            for name in files:
+                tar.add(trees.pristine(release) / name, arcname=name)
+        sizes[release] = {"files": len(files), "bytes": archive.stat().st_size}
+        print(f"vLLM {release}: {len(files)} files, {archive.stat().st_size / 2**20:.1f} MiB")
+    wheels(args.out / "wheels")
+    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    (args.out / "pack.json").write_text(json.dumps({"releases": sizes, "bytes": total}, indent=2))
+    print(f"pack: {args.out} ({total / 2**20:.1f} MiB; a device run carries at most 64 MiB)")
+    if total > LIMIT_MIB * 2**20:
+        print(f"error: the pack exceeds {LIMIT_MIB} MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `make gpu-test`, on the GPU machine (no network): unpack the trees that
+# `make gpu-pack` made, patch copies with mla-serve itself, run the GPU suite and
+# the GPU benchmarks on every tree, and write the results (JUnit XML per tree,
+# bench JSON per tree, one summary JSON) to $OUT or tests/gpu/results/.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PACK=${1:-build/gpu-pack}
+RESULTS=${OUT:-tests/gpu/results}
+WORK=${TMPDIR:-/tmp}/mla-serve-gpu
+PYTHON=${PYTHON:-python3}
+[ -d "$PACK/trees" ] || { echo "no pack at $PACK: run 'make gpu-pack' first" >&2; exit 2; }
+rm -rf "$WORK" && mkdir -p "$WORK/site" "$RESULTS/runs"
+$PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$PACK"/wheels/*.whl || exit 2
+export PYTHONPATH="$WORK/site" PYTHONUNBUFFERED=1
+status=0
+for archive in "$PACK"/trees/vllm-*.tar.xz; do
+  release=$(basename "$archive" .tar.xz); release=${release#vllm-}
+  mkdir -p "$WORK/$release/pristine" && tar -xJf "$archive" -C "$WORK/$release/pristine"
+  states=(pristine)
+  if grep -qv '^#' "patches/vllm-$release/series" 2>/dev/null; then
+    cp -al "$WORK/$release/pristine" "$WORK/$release/patched"  # the engine replaces files
+    $PYTHON -m server.cli patches apply --target "$WORK/$release/patched" || exit 1
+    states+=(patched)
+  fi
+  for state in "${states[@]}"; do
+    echo "== vLLM $release $state"
+    $PYTHON -m pytest -q -rs -p no:cacheprovider tests/gpu \
+      --vllm-tree "$WORK/$release/$state" --vllm-state "$state" \
+      --junitxml "$RESULTS/runs/junit-$release-$state.xml" || status=1
+    $PYTHON tests/gpu/bench_gpu.py --release "$release" --state "$state" \
+      --out "$RESULTS/runs/bench-$release-$state.json" || status=1
+  done
+done
+$PYTHON tests/gpu/report.py "$RESULTS" || status=1
+exit $status

@@ -1,0 +1,87 @@
+"""Seeds 000/001 under real CUDA graphs (vLLM 0.30.0+ carries the code and the fix)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import scenarios
+import torch
+
+
+def test_piecewise_capture_converts_right_with_the_guard(expect):
+    assert expect.fixed("piecewise-topk-event")
+    case = scenarios.index_group_case()
+    result = scenarios.capture_piecewise(case)
+    assert torch.equal(result, case.expected)
+
+
+def test_without_the_guard_the_eager_wait_crashes(expect):
+    """The seed's crash, reproduced on vLLM's own code with the guard switched off."""
+    expect.fixed("piecewise-topk-event")
+    import vllm
+
+    env = os.environ.copy()
+    tree = str(Path(vllm.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
+    child = subprocess.run(
+        [sys.executable, str(Path(scenarios.__file__)), "piecewise-without-guard"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    output = child.stdout + child.stderr
+    assert child.returncode != 0, output
+    assert "invalid argument" in output, output
+
+
+class StreamSpy:
+    """Wraps the group's side stream; records which synchronization it is asked for."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.calls: list[str] = []
+
+    def wait_event(self, event: torch.cuda.Event) -> None:
+        self.calls.append("wait_event")
+        self.stream.wait_event(event)
+
+    def wait_stream(self, stream: torch.cuda.Stream) -> None:
+        self.calls.append("wait_stream")
+        self.stream.wait_stream(stream)
+
+    def __enter__(self) -> torch.cuda.Stream:
+        self._context = torch.cuda.stream(self.stream)
+        return self._context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._context.__exit__(*exc)
+
+
+def test_full_graph_and_eager_modes_keep_the_fine_grained_event(expect):
+    expect.fixed("piecewise-topk-event")
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import set_forward_context
+
+    eager = scenarios.index_group_case()
+    eager.group.side_stream = spy = StreamSpy(eager.group.side_stream)
+    eager.group.set_logical_topk_ready(eager.layer)
+    eager.convert()
+    torch.cuda.synchronize()
+    assert torch.equal(eager.result(), eager.expected)
+    assert spy.calls == ["wait_event"]
+
+    full = scenarios.index_group_case()
+    full.group.side_stream = spy = StreamSpy(full.group.side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with set_forward_context(
+        None, scenarios.vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.FULL
+    ):
+        with torch.cuda.graph(graph):  # record and wait both inside one graph: legal
+            full.group.set_logical_topk_ready(full.layer)
+            full.convert()
+        full.group.physical_topk_indices.fill_(-7)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(full.result(), full.expected)
+    assert spy.calls == ["wait_event"]
