@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import scenarios  # noqa: E402
+import scenarios
 
 
 def gpu_median_us(work: Callable[[], object], runs: int = 200, warmup: int = 20) -> float:

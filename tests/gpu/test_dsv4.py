@@ -14,9 +14,8 @@ one batch shape reads back on replay at another.
 from __future__ import annotations
 
 import pytest
-import torch
-
 import scenarios
+import torch
 from scenarios import TOPK
 
 
