@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# `make image-smoke`: build the image without any container registry and check it.
+#
+#  1. Tools: Debian's docker.io and debootstrap (installed with apt-get when missing).
+#  2. A Docker engine: the running one if `docker version` reaches it, else a private
+#     dockerd that leaves the host network alone (--bridge=none --iptables=false
+#     --ip6tables=false --ip-forward=false --ip-masq=false), state in .cache/docker/,
+#     stopped again on exit. Builds use the legacy builder (DOCKER_BUILDKIT=0) and reach
+#     PyPI and Debian through `--network host`; every check runs with `--network none`.
+#  3. A base image from no registry: debootstrap a minimal Debian bookworm, trusting
+#     what this host trusts (its extra CA certificates), then `docker import`.
+#  4. docker/build.sh with VLLM_SOURCE=index: Python from apt, vllm==VLLM_VERSION from
+#     the package index, then mla-serve's stages (wheel, patch layer, manifest, labels).
+#  5. Inside the image: non-root user, `mla-serve patches verify`, `mla-serve sidecar
+#     --help`, labels == manifest == catalog, vLLM imports and loads the plugin, `serve
+#     --help`, and the HEALTHCHECK turns healthy on a running sidecar.
+#  6. Sizes: the image, the vLLM it is built on, and the layers mla-serve adds (at most
+#     MLA_SERVE_LAYER_LIMIT bytes, default 50 MB).
+# Images stay in .cache/docker/ so a second run is fast; `rm -rf .cache/docker` reclaims
+# the space (after the run: the private engine is stopped by then).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_VERSION="${VLLM_VERSION:-0.33.0}"
+PYTHON="${PYTHON:-.venv/bin/python}"
+CACHE="${MLA_SERVE_CACHE:-$PWD/.cache}"
+STATE="$CACHE/docker"
+SUITE="${DEBIAN_SUITE:-bookworm}"
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+BASE="mla-serve-smoke/debian:${SUITE}"
+VLLM_IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}-base"
+IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}"
+LIMIT="${MLA_SERVE_LAYER_LIMIT:-50000000}"
+MANIFEST=/opt/mla-serve/manifest.json
+export DOCKER_BUILDKIT=0
+
+started=$SECONDS
+step() { printf '\n== [%s, %ds] %s\n' "$1" "$((SECONDS - started))" "$2"; }
+mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB", b / 1000000 }'; }
+
+mkdir -p "$STATE"
+exec 9>"$STATE/smoke.lock"
+flock 9  # one smoke run at a time: they share the engine and its state
+
+step 1/6 "tools"
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if [ "${#need[@]}" -gt 0 ]; then
+    echo "installing ${need[*]} (apt-get)"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+fi
+docker --version
+
+step 2/6 "Docker engine"
+dockerd_pid=""
+cleanup() {
+    if [ -n "$dockerd_pid" ]; then
+        echo "stopping the private dockerd (pid $dockerd_pid)"
+        kill "$dockerd_pid" 2>/dev/null || true
+        wait "$dockerd_pid" 2>/dev/null || true
+        # what a stopped dockerd leaves in its exec-root: the default netns mount
+        umount /run/mla-serve-docker/netns/default 2>/dev/null || true
+        rm -rf /run/mla-serve-docker
+    fi
+}
+trap cleanup EXIT
+if docker version >/dev/null 2>&1; then
+    echo "using the running engine (${DOCKER_HOST:-default socket})"
+else
+    socket=/run/mla-serve-docker.sock
+    mkdir -p "$STATE/data"
+    dockerd --data-root "$STATE/data" --exec-root /run/mla-serve-docker \
+        --pidfile /run/mla-serve-docker.pid --host "unix://$socket" \
+        --bridge=none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false \
+        >"$STATE/dockerd.log" 2>&1 &
+    dockerd_pid=$!
+    export DOCKER_HOST="unix://$socket"
+    for _ in $(seq 60); do
+        docker version >/dev/null 2>&1 && break
+        kill -0 "$dockerd_pid" 2>/dev/null || { tail -20 "$STATE/dockerd.log"; exit 1; }
+        sleep 1
+    done
+    docker version --format 'started dockerd {{.Server.Version}} (pid '"$dockerd_pid"'), state in '"$STATE"
+fi
+
+step 3/6 "base image $BASE (debootstrap + docker import)"
+if docker image inspect "$BASE" >/dev/null 2>&1; then
+    echo "already built"
+else
+    rootfs="$CACHE/image/rootfs-$SUITE"
+    rm -rf "$rootfs"
+    mkdir -p "$(dirname "$rootfs")"
+    echo "debootstrap --variant=minbase $SUITE ($MIRROR), log in $STATE/debootstrap.log"
+    debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$rootfs" "$MIRROR" \
+        >"$STATE/debootstrap.log" 2>&1 || { tail -20 "$STATE/debootstrap.log"; exit 1; }
+    tail -1 "$STATE/debootstrap.log"
+    # Trust what this host trusts: a build behind a TLS-inspecting proxy needs its CA.
+    python3 - "$rootfs" <<'EOF'
+import pathlib, re, sys
+root = pathlib.Path(sys.argv[1])
+pem = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+def certs(path):
+    return pem.findall(path.read_text()) if path.is_file() else []
+have = set(certs(root / "etc/ssl/certs/ca-certificates.crt"))
+extra = [c for c in certs(pathlib.Path("/etc/ssl/certs/ca-certificates.crt")) if c not in have]
+folder = root / "usr/local/share/ca-certificates"
+folder.mkdir(parents=True, exist_ok=True)
+for index, cert in enumerate(extra):
+    (folder / f"build-host-{index}.crt").write_text(cert + "\n")
+print(f"{len(extra)} CA certificate(s) of this host added")
+EOF
+    chroot "$rootfs" update-ca-certificates >/dev/null
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
+    tar --numeric-owner -C "$rootfs" -c . |
+        docker import --change 'CMD ["/bin/bash"]' --message "debootstrap $SUITE minbase" - "$BASE"
+    rm -rf "$rootfs"
+fi
+echo "$BASE: $(mb "$(docker image inspect -f '{{.Size}}' "$BASE")")"
+
+step 4/6 "build: vLLM $VLLM_VERSION from the package index, then mla-serve"
+export VLLM_VERSION PYTHON BASE_IMAGE="$BASE" VLLM_SOURCE=index
+export PIP_CERT=/etc/ssl/certs/ca-certificates.crt  # the image's bundle, host CAs included
+IMAGE="$IMAGE" DOCKER_BUILD_FLAGS="--network host" docker/build.sh
+# The stage the image is built on, tagged from the same build cache (nothing rebuilds):
+# everything above it in `docker history` is mla-serve's.
+IMAGE="$VLLM_IMAGE" DOCKER_BUILD_FLAGS="--network host --target vllm" docker/build.sh |
+    grep -E '^(docker build|Successfully)'
+
+step 5/6 "inside $IMAGE (--network none)"
+run() { docker run --rm --network none "$@"; }
+label() { docker image inspect -f "{{ index .Config.Labels \"$1\" }}" "$IMAGE"; }
+user="$(run "$IMAGE" id -u):$(run "$IMAGE" id -g)"
+[ "$user" = 2000:0 ] || { echo "runs as $user, not 2000:0" >&2; exit 1; }
+echo "user: $user ($(run "$IMAGE" id -un))"
+
+echo "-- mla-serve patches verify --manifest $MANIFEST"
+run "$IMAGE" mla-serve patches verify --manifest "$MANIFEST"
+echo "-- patches verify (the default manifest path links to $MANIFEST)"
+run "$IMAGE" patches verify
+echo "-- mla-serve sidecar --help"
+run "$IMAGE" mla-serve sidecar --help
+
+echo "-- labels"
+docker image inspect -f '{{ range $k, $v := .Config.Labels }}{{ $k }}={{ $v }}{{ "\n" }}{{ end }}' "$IMAGE" |
+    grep -E '^(org.opencontainers|io.mla-serve)'
+expected="$(PYTHONPATH="$PWD" "$PYTHON" docker/labels.py build-args "$VLLM_VERSION" | sed -n 's/^FIXES=//p')"
+[ "$(label io.mla-serve.fixes)" = "$expected" ] || {
+    echo "label io.mla-serve.fixes differs from the catalog: $expected" >&2
+    exit 1
+}
+echo "-- the manifest inside the image (checked against the labels and the catalog)"
+run "$IMAGE" python3 /opt/mla-serve/labels.py check --manifest "$MANIFEST" \
+    --vllm-version "$VLLM_VERSION" --series-digest "$(label io.mla-serve.series.digest)" \
+    --fixes "$(label io.mla-serve.fixes)"
+
+echo "-- vLLM finds mla-serve's engine plugin and runs it"
+run "$IMAGE" python3 -c '
+import vllm
+from vllm.plugins import load_general_plugins, load_plugins_by_group
+found = sorted(load_plugins_by_group("vllm.general_plugins"))
+assert "mla_serve" in found, found
+load_general_plugins()
+import vllm.v1.worker.gpu_worker as worker
+assert getattr(worker.Worker.compile_or_warm_up_model, "__mla_serve_wrapped__", False)
+print("vLLM", vllm.__version__, "general plugins:", ", ".join(found), "- mla_serve hooked the worker")
+' 2>&1 | grep -E '^(vLLM |Traceback|AssertionError)'
+echo "-- serve: manifest check, then vllm serve"
+if run "$IMAGE" serve --help >"$STATE/serve.txt" 2>&1; then
+    echo "vllm serve --help: $(grep -m1 -i usage "$STATE/serve.txt")"
+elif grep -q "Failed to infer device type" "$STATE/serve.txt"; then
+    echo "vllm serve reached (without a GPU it stops at device detection, as expected here)"
+else
+    tail -20 "$STATE/serve.txt"
+    exit 1
+fi
+grep "matches $MANIFEST" "$STATE/serve.txt"
+
+echo "-- HEALTHCHECK on a running sidecar"
+cid="$(docker run -d --network none --health-interval 2s "$IMAGE" sidecar)"
+health=starting
+for _ in $(seq 60); do
+    health="$(docker inspect -f '{{.State.Health.Status}}' "$cid")"
+    [ "$health" = starting ] || break
+    sleep 1
+done
+docker inspect -f '{{ range .State.Health.Log }}{{ .Output }}{{ end }}' "$cid" | tail -2
+if [ "$health" != healthy ]; then
+    docker logs "$cid" 2>&1 | tail -20
+    docker rm -f "$cid" >/dev/null
+    echo "sidecar container is $health, not healthy" >&2
+    exit 1
+fi
+docker rm -f "$cid" >/dev/null
+echo "sidecar: $health"
+
+step 6/6 "sizes"
+size="$(docker image inspect -f '{{.Size}}' "$IMAGE")"
+base_size="$(docker image inspect -f '{{.Size}}' "$BASE")"
+vllm_size="$(docker image inspect -f '{{.Size}}' "$VLLM_IMAGE")"
+vllm_id="$(docker image inspect -f '{{.Id}}' "$VLLM_IMAGE")"
+echo "layers mla-serve adds on top of vLLM (docker history):"
+added=0
+reached=0
+while IFS=$'\t' read -r id bytes created; do
+    if [ "$id" = "$vllm_id" ]; then
+        reached=1
+        break
+    fi
+    added=$((added + bytes))
+    if [ "$bytes" -gt 0 ]; then
+        created="${created#*pipefail -c }"  # drop the build args and the shell
+        created="${created#\#(nop) }"
+        printf '  %10s  %s\n' "$(mb "$bytes")" "${created:0:100}"
+    fi
+done < <(docker history --no-trunc --human=false --format '{{.ID}}\t{{.Size}}\t{{.CreatedBy}}' "$IMAGE")
+[ "$reached" = 1 ] || { echo "$VLLM_IMAGE is not in the history of $IMAGE" >&2; exit 1; }
+echo "image $IMAGE: $(mb "$size")"
+echo "  base $BASE: $(mb "$base_size")"
+echo "  vLLM $VLLM_VERSION with Python and its dependencies: $(mb "$((vllm_size - base_size))")"
+echo "  mla-serve's layers: $(mb "$added") (limit $(mb "$LIMIT"))"
+if [ "$added" -gt "$LIMIT" ]; then
+    echo "mla-serve's layers exceed the limit" >&2
+    exit 1
+fi
+echo
+echo "image-smoke passed for vLLM $VLLM_VERSION in $((SECONDS - started)) s: $IMAGE"
