@@ -62,9 +62,20 @@ format: $(BIN)/mla-serve  ## apply ruff's formatting and safe fixes
 test: lint $(VENV)/.test-deps  ## lint, then every test (downloads the 7 vLLM wheels once)
 	$(BIN)/python -m pytest
 
-bench: $(VENV)/.test-deps  ## benchmarks; results in build/bench/*.json
+# bench_passthrough.py: httptools in the venv, as vLLM's image has it (fastapi[standard]), and
+# the proxies it compares the sidecar with in a venv of their own (litellm[proxy]'s pins clash
+# with the test deps); an install failure is logged and reported in build/bench/passthrough.json.
+$(VENV)/.bench-deps: $(BIN)/mla-serve tests/bench/requirements.txt tests/bench/requirements-proxies.txt
+	$(BIN)/python -m pip install -q -r tests/bench/requirements.txt
+	mkdir -p build/bench
+	if $(PYTHON) -m venv $(VENV)/bench && $(VENV)/bench/bin/python -m pip install -q \
+	  -r tests/bench/requirements-proxies.txt > build/bench/proxies-install.log 2>&1; \
+	then touch $@; else tail -n 5 build/bench/proxies-install.log; fi
+
+bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/bench/*.json
 	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
 	$(BIN)/python tests/bench/bench_sidecar.py --out build/bench/sidecar.json
+	$(BIN)/python tests/bench/bench_passthrough.py --out build/bench/passthrough.json
 
 gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into build/gpu-pack
 	$(BIN)/python tests/gpu/pack.py --out build/gpu-pack

