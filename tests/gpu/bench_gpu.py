@@ -114,7 +114,9 @@ def main() -> int:
     parser.add_argument("--release", required=True)
     parser.add_argument("--state", required=True, choices=("pristine", "patched"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vllm-tree", type=Path, required=True)
     args = parser.parse_args()
+    sys.path.insert(0, str(args.vllm_tree.resolve()))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from conftest import Expect
 

@@ -40,6 +40,11 @@ IMPORTS = (
     "vllm.models.deepseek_v4.attention",
     "vllm.models.deepseek_v4.sparse_mla",
 )
+EXTRA = (  # whole subtrees on the GPU code paths
+    "vllm/v1", "vllm/distributed", "vllm/config", "vllm/compilation", "vllm/platforms",
+    "vllm/utils", "vllm/triton_utils", "vllm/model_executor/layers", "vllm/models/deepseek_v4",
+    "vllm/model_executor/warmup", "vllm/model_executor/kernels",
+)  # fmt: skip
 CLOSURE = """
 import importlib, os, sys
 root = os.path.abspath(sys.argv[1])
@@ -63,9 +68,18 @@ def closure(release: str) -> list[str]:
         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    files = {
+    imported = {
         line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("CLOSURE ")
     }
+    # vLLM imports more where Triton and CUDA exist (fused-MoE experts, executors):
+    # take every module beside an imported one, and the packages named in EXTRA.
+    directories = {str(Path(name).parent) for name in imported}
+    files = {
+        str(path.relative_to(tree))
+        for directory in directories
+        for path in (tree / directory).glob("*.py")
+    } | imported
+    files |= {str(p.relative_to(tree)) for d in EXTRA for p in (tree / d).rglob("*.py")}
     files |= {str(p.relative_to(tree)) for p in tree.glob("vllm-*.dist-info/METADATA")}
     return sorted(files)
 

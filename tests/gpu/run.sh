@@ -29,6 +29,7 @@ for archive in "$PACK"/trees/vllm-*.tar.xz; do
       --vllm-tree "$WORK/$release/$state" --vllm-state "$state" \
       --junitxml "$RESULTS/runs/junit-$release-$state.xml" || status=1
     $PYTHON tests/gpu/bench_gpu.py --release "$release" --state "$state" \
+      --vllm-tree "$WORK/$release/$state" \
       --out "$RESULTS/runs/bench-$release-$state.json" || status=1
   done
 done

@@ -35,27 +35,25 @@ def test_without_the_guard_the_eager_wait_crashes(expect):
     assert "invalid argument" in output, output
 
 
-class StreamSpy:
-    """Wraps the group's side stream; records which synchronization it is asked for."""
+class SpyStream(torch.cuda.Stream):
+    """A real side stream that also records which synchronization it is asked for."""
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream = stream
-        self.calls: list[str] = []
+    calls: list[str]
 
     def wait_event(self, event: torch.cuda.Event) -> None:
         self.calls.append("wait_event")
-        self.stream.wait_event(event)
+        super().wait_event(event)
 
     def wait_stream(self, stream: torch.cuda.Stream) -> None:
         self.calls.append("wait_stream")
-        self.stream.wait_stream(stream)
+        super().wait_stream(stream)
 
-    def __enter__(self) -> torch.cuda.Stream:
-        self._context = torch.cuda.stream(self.stream)
-        return self._context.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
-        self._context.__exit__(*exc)
+def spy_on(case: scenarios.IndexGroupCase) -> SpyStream:
+    spy = SpyStream()
+    spy.calls = []
+    case.group.side_stream = spy
+    return spy
 
 
 def test_full_graph_and_eager_modes_keep_the_fine_grained_event(expect):
@@ -64,7 +62,7 @@ def test_full_graph_and_eager_modes_keep_the_fine_grained_event(expect):
     from vllm.forward_context import set_forward_context
 
     eager = scenarios.index_group_case()
-    eager.group.side_stream = spy = StreamSpy(eager.group.side_stream)
+    spy = spy_on(eager)
     eager.group.set_logical_topk_ready(eager.layer)
     eager.convert()
     torch.cuda.synchronize()
@@ -72,7 +70,7 @@ def test_full_graph_and_eager_modes_keep_the_fine_grained_event(expect):
     assert spy.calls == ["wait_event"]
 
     full = scenarios.index_group_case()
-    full.group.side_stream = spy = StreamSpy(full.group.side_stream)
+    spy = spy_on(full)
     graph = torch.cuda.CUDAGraph()
     with set_forward_context(
         None, scenarios.vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.FULL
