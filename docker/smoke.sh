@@ -36,7 +36,7 @@ export DOCKER_BUILDKIT=0
 
 started=$SECONDS
 step() { printf '\n== [%s, %ds] %s\n' "$1" "$((SECONDS - started))" "$2"; }
-mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB", b / 1000000 }'; }
+mb() { awk -v b="$1" 'BEGIN { if (b < 1000000) printf "%.1f kB", b / 1000; else printf "%.1f MB", b / 1000000 }'; }
 
 mkdir -p "$STATE"
 exec 9>"$STATE/smoke.lock"
@@ -141,7 +141,9 @@ run "$IMAGE" mla-serve patches verify --manifest "$MANIFEST"
 echo "-- patches verify (the default manifest path links to $MANIFEST)"
 run "$IMAGE" patches verify
 echo "-- mla-serve sidecar --help"
-run "$IMAGE" mla-serve sidecar --help
+run "$IMAGE" mla-serve sidecar --help >"$STATE/sidecar-help.txt"
+head -2 "$STATE/sidecar-help.txt"
+echo "  ... ($(wc -l <"$STATE/sidecar-help.txt") lines; in $STATE/sidecar-help.txt)"
 
 echo "-- labels"
 docker image inspect -f '{{ range $k, $v := .Config.Labels }}{{ $k }}={{ $v }}{{ "\n" }}{{ end }}' "$IMAGE" |
