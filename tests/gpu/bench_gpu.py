@@ -53,11 +53,13 @@ def topk_convert() -> dict[str, float]:
         case.group.set_logical_topk_ready(case.layer)
         case.convert()
 
-    event = gpu_median_us(step)
-    with set_forward_context(
-        None, scenarios.vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE
-    ):
-        stream = gpu_median_us(step)
+    # vLLM tracks the compute stream it is told about (as the engine does).
+    with torch.cuda.stream(torch.cuda.Stream()):
+        event = gpu_median_us(step)
+        with set_forward_context(
+            None, scenarios.vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE
+        ):
+            stream = gpu_median_us(step)
     return {"wait_event_us": event, "wait_stream_us": stream}
 
 

@@ -43,7 +43,7 @@ IMPORTS = (
 EXTRA = (  # whole subtrees on the GPU code paths
     "vllm/v1", "vllm/distributed", "vllm/config", "vllm/compilation", "vllm/platforms",
     "vllm/utils", "vllm/triton_utils", "vllm/model_executor/layers", "vllm/models/deepseek_v4",
-    "vllm/model_executor/warmup", "vllm/model_executor/kernels",
+    "vllm/model_executor/warmup", "vllm/model_executor/kernels", "vllm/lora",
 )  # fmt: skip
 CLOSURE = """
 import importlib, os, sys
