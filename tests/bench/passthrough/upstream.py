@@ -19,10 +19,12 @@ fast as the connection takes them). Every token's text is `"<seq>@<t> "`: its se
 by every process of the machine), so the client checks order and loss and measures each
 chunk's delay.
 
-Throttled streams follow vLLM's decode steps: one global grid of period 1/R, every running
-stream emits its next token at the same grid point (vLLM sends a whole batch per step).
-Unthrottled streams write one token per event-loop turn, each in its own send, and stop
-while the socket's buffer is full.
+Throttled streams keep their own clock (`align=stream`, the default: token k due k/R after
+the request) or follow vLLM's decode steps (`align=step`: one global grid of period 1/R, every
+running stream emits its next token at the same grid point, as vLLM sends a whole batch per
+step; this stand-in writes such a burst faster than vLLM's API server would).
+Unthrottled streams write one token per event-loop turn, each in its own send, and stop while
+the socket's buffer is full.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def parse_directive(body: dict[str, Any]) -> dict[str, Any]:
         "rate": 0.0,
         "reasoning": 0,
         "finish": "stop",
+        "align": "stream",
     }
     messages = body.get("messages") or []
     text = messages[-1].get("content") if messages else None
@@ -113,7 +116,7 @@ def parse_directive(body: dict[str, Any]) -> dict[str, Any]:
                 spec[key] = int(value)
             elif key == "rate":
                 spec[key] = float(value)
-            elif key == "finish":
+            elif key in ("finish", "align"):
                 spec[key] = value
     spec["reasoning"] = min(spec["reasoning"], spec["tokens"])
     return spec
@@ -278,6 +281,7 @@ class Stream:
         self.reasoning: int = spec["reasoning"]
         self.finish: str = spec["finish"]
         self.rate: float = spec["rate"]
+        self.align: str = spec["align"]
         self.usage = usage
         self.prompt_tokens = prompt_tokens(request)
         self.seq = 0
@@ -303,10 +307,13 @@ class Stream:
         transport.write(head + _frame(b"data: " + role + b"\n\n"))
         if self.rate > 0:
             period = 1.0 / self.rate
-            # vLLM's decode steps: a global grid; the first token one step after arrival.
-            origin = self.conn.server.origin
-            steps = int((self.loop.time() - origin) / period) + 1
-            self.grid0 = origin + steps * period
+            now = self.loop.time()
+            if self.align == "step":
+                # vLLM's decode steps: a global grid; the first token one step after arrival.
+                origin = self.conn.server.origin
+                self.grid0 = origin + (int((now - origin) / period) + 1) * period
+            else:
+                self.grid0 = now + period
             self.period = period
             self._schedule()
         else:
