@@ -236,7 +236,9 @@ class Bench:
     def _install_log(self) -> str:
         log = ROOT / "build" / "bench" / "proxies-install.log"
         if log.exists():
-            return " | pip: " + " ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+            lines = log.read_text(errors="replace").strip().splitlines()
+            lines = [line for line in lines if not line.lower().startswith("warning")]
+            return " | pip: " + " ".join(lines[-3:]) if lines else ""
         return ""
 
     def only(self, name: str | None) -> None:
