@@ -70,7 +70,7 @@ $(VENV)/.bench-deps: $(BIN)/mla-serve tests/bench/requirements.txt tests/bench/r
 	mkdir -p build/bench
 	if $(PYTHON) -m venv $(VENV)/bench && $(VENV)/bench/bin/python -m pip install -q \
 	  -r tests/bench/requirements-proxies.txt > build/bench/proxies-install.log 2>&1; \
-	then touch $@; else grep -iv '^warning' build/bench/proxies-install.log | tail -n 5; fi
+	then touch $@; else grep -iv '^warning' build/bench/proxies-install.log | tail -n 5 || true; fi
 
 bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/bench/*.json
 	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
