@@ -59,6 +59,8 @@ EMISSION = {
     "as one burst of 256 (faster than vLLM's API server would)",
 }
 
+NOISY_CORES = 0.15  # other processes' CPU above which a measurement is retried
+
 TARGETS = {
     "production_added_p99_inter_chunk_ms": ("<=", 1.0),
     "production_added_p50_ttfb_ms": ("<=", 1.0),
@@ -190,6 +192,7 @@ class Bench:
         self.targets: dict[str, proxies.Target] = {}
         self.errors: dict[str, str] = {}
         self.procs: list[Proc] = []
+        self.noisy_budget = args.noisy_budget
 
     # -- set-up -----------------------------------------------------------
     def start(self) -> None:
@@ -277,17 +280,12 @@ class Bench:
             if name not in names:
                 continue
             self.only(name)
-            time.sleep(0.5)
             try:
-                with CpuMeter(self.procs) as meter:
-                    figures = run_loadgen("production", target, options, duration + 120, None)
-                figures["cpu_cores"] = meter.cores
-                cpu = meter.proc_seconds.get(name)
-                if cpu:  # what a chunk costs the proxy at this load: chunks per CPU second
-                    figures["proxy_cpu_s"] = round(cpu, 2)
-                    figures["chunks_per_proxy_cpu_s"] = round(figures["chunks_received"] / cpu, 1)
-                figures.update(self.drain())
-                results[name] = figures
+                results[name] = self.quietly(
+                    lambda name=name, target=target: self._production_one(
+                        name, target, options, duration
+                    )
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 results[name] = {"error": str(exc)}
             print(f"  {align}-aligned {name}: {_brief_production(results[name])}", flush=True)
@@ -313,6 +311,57 @@ class Bench:
             "litellm_added": _added(results, "litellm"),
         }
 
+    def _production_one(
+        self, name: str, target: proxies.Target, options: list[str], duration: float
+    ) -> dict[str, Any]:
+        time.sleep(0.5)
+        with CpuMeter(self.procs) as meter:
+            figures = run_loadgen("production", target, options, duration + 120, None)
+        figures["cpu_cores"] = meter.cores
+        cpu = meter.proc_seconds.get(name)
+        if cpu:  # what a chunk costs the proxy at this load: chunks per CPU second
+            figures["proxy_cpu_s"] = round(cpu, 2)
+            figures["chunks_per_proxy_cpu_s"] = round(figures["chunks_received"] / cpu, 1)
+        figures.update(self.drain())
+        return figures
+
+    def quietly(self, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Measure; while other processes took CPU meanwhile, wait for calm and measure again
+        (within --noisy-budget seconds for the whole run), keeping the quietest attempt."""
+        attempts: list[float] = []
+        best: dict[str, Any] | None = None
+        while True:
+            figures = measure()
+            others = figures.get("cpu_cores", {}).get("others", 0.0)
+            attempts.append(others)
+            if best is None or others < best["cpu_cores"]["others"]:
+                best = figures
+            if others <= NOISY_CORES or self.noisy_budget <= 0:
+                break
+            started = time.monotonic()
+            calm = self.wait_calm(min(60.0, self.noisy_budget))
+            print(f"    (others used {others} cores: {'calm' if calm else 'still busy'} after "
+                  f"{time.monotonic() - started:.0f} s, measuring again)", flush=True)  # fmt: skip
+            self.noisy_budget -= time.monotonic() - started
+            if not calm:
+                break
+        best["others_cpu_cores_per_attempt"] = attempts
+        return best
+
+    def wait_calm(self, limit: float) -> bool:
+        """Wait until other processes take under NOISY_CORES for 3 s running; False on `limit`."""
+        deadline = time.monotonic() + limit
+        calm = 0
+        while time.monotonic() < deadline:
+            busy0 = CpuMeter.busy()
+            ours0 = sum(p.cpu_seconds() for p in self.procs if p.alive())
+            time.sleep(1.0)
+            ours = sum(p.cpu_seconds() for p in self.procs if p.alive()) - ours0
+            calm = calm + 1 if CpuMeter.busy() - busy0 - ours < NOISY_CORES else 0
+            if calm >= 3:
+                return True
+        return False
+
     def saturation(self) -> dict[str, Any]:
         a = self.args
         options = [
@@ -324,44 +373,12 @@ class Bench:
         try:
             for name, target in self.targets.items():
                 self.only(name)
-                if target.proc is not None:
-                    target.proc.pin({1})
-                time.sleep(0.5)
-                proc = target.proc
-                marks: dict[str, tuple[float, float]] = {}
-
-                def mark(
-                    line: str, proc: Proc | None = proc, marks: dict[str, Any] = marks
-                ) -> None:
-                    cpu = proc.cpu_seconds() if proc is not None else 0.0
-                    marks[line] = (time.monotonic(), cpu)
-
                 try:
-                    with CpuMeter(self.procs) as meter:
-                        figures = run_loadgen(
-                            "saturation", target, options, a.sat_warmup + a.sat_window + 60,
-                            {0}, mark,
-                        )  # fmt: skip
-                    figures["cpu_cores"] = meter.cores
-                    if proc is not None and len(marks) == 2:
-                        (t0, cpu0), (t1, cpu1) = marks["WINDOW START"], marks["WINDOW END"]
-                        cpu = cpu1 - cpu0  # the proxy's CPU seconds within the window
-                        figures["proxy_cpu_cores"] = round(cpu / (t1 - t0), 3)
-                        figures["events_per_proxy_cpu_s"] = (
-                            round(figures["events"] / cpu, 1) if cpu > 0 else None
-                        )
-                        figures["limited_by"] = (
-                            "the proxy (its core busy)"
-                            if figures["proxy_cpu_cores"] >= 0.9
-                            else "CPU 0 (upstream + client): events_per_s is a lower bound"
-                        )
-                    figures.update(self.drain())
-                    results[name] = figures
+                    results[name] = self.quietly(
+                        lambda name=name, target=target: self._saturation_one(name, target, options)
+                    )
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     results[name] = {"error": str(exc)}
-                finally:
-                    if target.proc is not None:
-                        target.proc.pin(None)
                 print(f"  saturation {name}: {_brief_saturation(results[name])}", flush=True)
         finally:
             self.upstream.pin(None)
@@ -396,6 +413,42 @@ class Bench:
             "ratios": ratios,
             "note": _saturation_note(results),
         }
+
+    def _saturation_one(
+        self, name: str, target: proxies.Target, options: list[str]
+    ) -> dict[str, Any]:
+        a = self.args
+        proc = target.proc
+        marks: dict[str, tuple[float, float]] = {}
+
+        def mark(line: str) -> None:
+            marks[line] = (time.monotonic(), proc.cpu_seconds() if proc is not None else 0.0)
+
+        if proc is not None:
+            proc.pin({1})
+        try:
+            time.sleep(0.5)
+            with CpuMeter(self.procs) as meter:
+                timeout = a.sat_warmup + a.sat_window + 60
+                figures = run_loadgen("saturation", target, options, timeout, {0}, mark)
+        finally:
+            if proc is not None:
+                proc.pin(None)
+        figures["cpu_cores"] = meter.cores
+        if proc is not None and len(marks) == 2:
+            (t0, cpu0), (t1, cpu1) = marks["WINDOW START"], marks["WINDOW END"]
+            cpu = cpu1 - cpu0  # the proxy's CPU seconds within the window
+            figures["proxy_cpu_cores"] = round(cpu / (t1 - t0), 3)
+            figures["events_per_proxy_cpu_s"] = (
+                round(figures["events"] / cpu, 1) if cpu > 0 else None
+            )
+            figures["limited_by"] = (
+                "the proxy (its core busy)"
+                if figures["proxy_cpu_cores"] >= 0.9
+                else "CPU 0 (upstream + client): events_per_s is a lower bound"
+            )
+        figures.update(self.drain())
+        return figures
 
     def rss(self) -> dict[str, Any]:
         target = self.targets.get("sidecar")
@@ -581,6 +634,13 @@ def main() -> int:
         help="wait up to this many s for a 1-min load average below 1",
     )
     parser.add_argument("--start-timeout", type=float, default=90.0)
+    parser.add_argument(
+        "--noisy-budget",
+        type=float,
+        default=150.0,
+        help="seconds the run may spend waiting for other processes to calm down, to measure "
+        "again what they disturbed (0: never)",
+    )
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--rate", type=float, default=50.0)
     parser.add_argument("--tokens", type=int, default=1000)
@@ -654,7 +714,7 @@ def main() -> int:
     report["targets"] = judge(report, bench.errors)
     report["ok"] = all(v["pass"] for v in report["targets"])
     others = _others_cpu(report)
-    report["machine"]["quiet"] = bool(load_start[0] < 1.0 and others < 0.15)
+    report["machine"]["quiet"] = bool(load_start[0] < 1.0 and others <= NOISY_CORES)
     report["machine"]["others_cpu_cores_max"] = others
     report["machine"]["note"] = (
         "quiet: 1-min load average below 1 at the start and other processes used under 0.15 "

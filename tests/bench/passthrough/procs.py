@@ -153,7 +153,8 @@ class CpuMeter:
         self.procs = procs
 
     @staticmethod
-    def _busy() -> float:
+    def busy() -> float:
+        """CPU seconds the whole machine has been busy."""
         times = psutil.cpu_times()
         return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
 
@@ -164,7 +165,7 @@ class CpuMeter:
 
     def __enter__(self) -> CpuMeter:
         self.t0 = time.monotonic()
-        self.busy0 = self._busy()
+        self.busy0 = self.busy()
         self.children0 = self._children()
         self.self0 = sum(os.times()[:2])
         self.procs0 = {p.name: p.cpu_seconds() for p in self.procs if p.alive()}
@@ -172,7 +173,7 @@ class CpuMeter:
 
     def __exit__(self, *exc: object) -> None:
         wall = time.monotonic() - self.t0
-        busy = self._busy() - self.busy0
+        busy = self.busy() - self.busy0
         procs = {
             p.name: p.cpu_seconds() - self.procs0[p.name]
             for p in self.procs
