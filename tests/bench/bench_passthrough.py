@@ -3,10 +3,11 @@
 Everything is measured side by side in one run, against one fast stand-in of vLLM 0.33.0
 (passthrough/upstream.py) and one load generator in its own process (passthrough/loadgen.py):
 
-1. Production load: 256 concurrent streams at 50 tokens/s (vLLM's decode-step grid: every
-   stream's k-th token leaves at the same instant), direct and through each proxy in turn.
-   Targets: the sidecar adds <= 1 ms to the p99 inter-chunk gap and to the p50 time to first
-   byte, and loses or reorders no chunk.
+1. Production load: 256 concurrent streams at 50 tokens/s for 20 s, requests spread over 2 s,
+   each stream on its own clock; direct and through each proxy in turn. Targets: the sidecar
+   adds <= 1 ms to the p99 inter-chunk gap and to the p50 time to first byte, and loses,
+   reorders or duplicates no chunk. Then the same (10 s) on vLLM's decode-step grid, every
+   stream's k-th token written in one burst, direct, sidecar and Envoy: reported, not judged.
 2. Saturation: unthrottled streams, the proxy pinned to CPU 1, upstream and client to CPU 0;
    SSE events per second at the client over a fixed window. Target: the sidecar (classifying
    every chunk) >= 20,000 chunks/s on its one core; ratios to Envoy and LiteLLM.
@@ -15,8 +16,10 @@ Everything is measured side by side in one run, against one fast stand-in of vLL
    warm-up of 1,000. Target: growth <= 20 MB.
 
 While one server is measured the others are stopped (SIGSTOP), so they take no CPU. The CPU
-each process used in each phase, and what the rest of the machine used meanwhile, are in the
-results: a machine that was not quiet is said so. Results: --out (JSON) and a summary.
+each process used in each measurement, and what the rest of the machine used meanwhile, are in
+the results; a measurement that other processes disturbed is taken again once they calm down
+(within --noisy-budget), and a machine that was not quiet is said so. About 4 minutes on a
+quiet machine. Results: --out (JSON) and a summary.
 Exit 1 when a target is missed or could not be measured; the file is written either way.
 """
 
