@@ -214,7 +214,7 @@ def test_profile_layout(profile: str) -> None:
     for flag, value in expected.items():
         assert flag in got, f"{profile}: {flag} missing from {vllm['args']}"
         assert got[flag] == value, f"{profile}: {flag}={got[flag]}, want {value}"
-    assert vllm["command"] == ["vllm", "serve"]
+    assert vllm["command"] == ["mla-serve-entrypoint", "serve"]
     assert vllm["args"][0] == case_values(f"profile-{profile}")["model"]["name"]
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == gpus
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product}

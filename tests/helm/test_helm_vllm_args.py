@@ -53,7 +53,7 @@ def command_lines() -> dict[str, list[str]]:
                 continue
             for role, pod in pods.items():
                 container = vllm_container(pod["spec"])
-                assert container["command"] == ["vllm", "serve"]
+                assert container["command"] == ["mla-serve-entrypoint", "serve"]
                 argv = []
                 for arg in container["args"]:
                     for var, value in ENV.items():

@@ -116,7 +116,9 @@ spec:
     - name: vllm
       image: {{ include "mla-serve.image" $ }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
-      command: ["vllm", "serve"]
+      # The image's entrypoint verifies the fix manifest, refuses to start on drift
+      # (MLA_SERVE_ALLOW_DRIFT=1 overrides), then execs `vllm serve` with these args.
+      command: ["mla-serve-entrypoint", "serve"]
       args:
         {{- include "mla-serve.vllmArgs" $ | nindent 8 }}
         {{- if eq $role "leader" }}
