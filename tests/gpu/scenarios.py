@@ -90,6 +90,84 @@ def capture_piecewise(case: IndexGroupCase) -> torch.Tensor:
     return case.result()
 
 
+@dataclass
+class HiSparseCase:
+    """vLLM's HiSparseRuntime staging one layer on its group's copy stream.
+
+    The host-cache residency work is replaced by a copy of the request ids the
+    method staged on the copy stream: a GPU op ordered by the same stream sync.
+    """
+
+    runtime: Any
+    ready: torch.Event
+    req_id: torch.Tensor
+    out: torch.Tensor
+    valid_rows: torch.Tensor
+
+    def stage(self) -> None:
+        self.runtime._resolve_and_stage_group(
+            resident=SimpleNamespace(decode_batch=False),
+            req_id_per_token=self.req_id,
+            block_table=torch.zeros(NUM_REQUESTS, BLOCKS_PER_REQ, dtype=torch.int32, device="cuda"),
+            logical_topk_indices=torch.zeros(
+                NUM_TOKENS, NUM_TOPK, dtype=torch.int32, device="cuda"
+            ),
+            block_size=BLOCK_SIZE,
+            return_valid_counts=False,
+            shared_rows=slice(0, NUM_TOKENS),
+            attention_indices_out=None,
+            valid_counts_out=None,
+            num_valid_rows=self.valid_rows,
+        )
+
+    def expected(self) -> torch.Tensor:
+        ids = self.req_id.clone()
+        ids[int(self.valid_rows) :] = -1
+        return ids
+
+
+def hisparse_case() -> HiSparseCase:
+    from vllm.v1.hisparse import runtime as hisparse
+
+    ready = torch.Event()
+    group = hisparse.HiSparseIndexGroup(
+        torch.device("cuda"), max_num_reqs=NUM_REQUESTS, region_stride=64,
+        max_swap_rows=NUM_TOKENS, top_k=NUM_TOPK, logical_topk_ready=ready,
+    )  # fmt: skip
+    runtime = object.__new__(hisparse.HiSparseRuntime)
+    runtime.index_group = group
+    runtime._layer_ready_event = None
+    runtime._swap_staged = False
+    out = torch.full((NUM_TOKENS,), -9, dtype=torch.int32, device="cuda")
+    runtime._resolve_residency = lambda **kw: out.copy_(kw["req_id_per_token"])
+    runtime._swap_rows = lambda rows: None
+    req_id = (torch.arange(NUM_TOKENS, dtype=torch.int32) % NUM_REQUESTS).cuda()
+    valid = torch.tensor(6, dtype=torch.int32, device="cuda")
+    return HiSparseCase(runtime, ready, req_id, out, valid)
+
+
+def capture_hisparse_piecewise(case: HiSparseCase) -> torch.Tensor:
+    """Indexer records topk-ready in a segment; staging runs in the next eager break."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import set_forward_context
+
+    stream = torch.cuda.Stream()
+    with (
+        torch.cuda.stream(stream),
+        set_forward_context(None, vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE),
+    ):
+        capture = BreakableCUDAGraphCapture()
+        with capture:
+            case.req_id.add_(0)
+            case.ready.record(torch.cuda.current_stream())  # what the indexer does
+            capture.add_eager(case.stage)
+        case.out.fill_(-7)
+        capture.replay()
+        torch.cuda.synchronize()
+    return case.out
+
+
 TOPK, RATIO, TOKENS, CANDIDATES = 512, 4, 4, 4096
 
 
@@ -166,6 +244,14 @@ def main(name: str) -> None:
         result = capture_piecewise(case)
         torch.cuda.synchronize()
         print("matches:", bool(torch.equal(result, case.expected)))
+        return
+    if name == "hisparse-without-guard":
+        from vllm.v1.hisparse import runtime as hisparse
+
+        hisparse.in_piecewise_cudagraph = lambda: False
+        case = hisparse_case()
+        result = capture_hisparse_piecewise(case)
+        print("matches:", bool(torch.equal(result, case.expected())))
         return
     raise SystemExit(f"unknown scenario {name}")
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import scenarios
 import torch
 
@@ -18,21 +19,33 @@ def test_piecewise_capture_converts_right_with_the_guard(expect):
     assert torch.equal(result, case.expected)
 
 
-def test_without_the_guard_the_eager_wait_crashes(expect):
-    """The seed's crash, reproduced on vLLM's own code with the guard switched off."""
-    expect.fixed("piecewise-topk-event")
+def test_hisparse_copy_stream_stages_right_with_the_guard(expect):
+    assert expect.fixed("piecewise-topk-event")
+    case = scenarios.hisparse_case()
+    result = scenarios.capture_hisparse_piecewise(case)
+    assert torch.equal(result, case.expected())
+
+
+def _run_scenario(name: str) -> str:
     import vllm
 
     env = os.environ.copy()
     tree = str(Path(vllm.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     child = subprocess.run(
-        [sys.executable, str(Path(scenarios.__file__)), "piecewise-without-guard"],
+        [sys.executable, str(Path(scenarios.__file__)), name],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )  # fmt: skip
     output = child.stdout + child.stderr
     assert child.returncode != 0, output
-    assert "invalid argument" in output, output
+    return output
+
+
+@pytest.mark.parametrize("scenario", ["piecewise-without-guard", "hisparse-without-guard"])
+def test_without_the_guard_the_eager_wait_crashes(expect, scenario):
+    """The seed's crash, reproduced on vLLM's own code with the guard switched off."""
+    expect.fixed("piecewise-topk-event")
+    assert "invalid argument" in _run_scenario(scenario)
 
 
 class SpyStream(torch.cuda.Stream):
