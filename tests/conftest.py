@@ -7,19 +7,26 @@ from the fix catalog, whether a fix must show as fixed or buggy in that tree.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from vllm_standin import StandIn
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # helpers import as plain modules (trees, vllm_standin…)
 sys.path.insert(1, str(TESTS.parent))
 
-from server.patching import catalog as catalog_  # noqa: E402
-from server.patching import tree as tree_  # noqa: E402
+from vllm_tree import CATALOG, Expect  # noqa: E402
 
-CATALOG = catalog_.load()
+from server.patching import tree as tree_  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,19 +47,30 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-class Expect:
-    """What a fix should look like in this tree: fixed, buggy, or code absent."""
+@pytest.fixture
+def vllm() -> Iterator[StandIn]:
+    """A stand-in vLLM 0.33.0 server on 127.0.0.1 (tests/vllm_standin.py)."""
+    from vllm_standin import StandIn
 
-    def __init__(self, release: str, state: str) -> None:
-        self.release = release
-        self.state = state
+    standin = StandIn().start()
+    yield standin
+    standin.stop()
 
-    def fixed(self, fix_id: str) -> bool:
-        """True when the fix must show; skips (recording why) where the code never existed."""
-        claim = CATALOG.fix(fix_id).on(self.release)
-        if claim.status is catalog_.Status.NOT_AFFECTED:
-            pytest.skip(f"vLLM {self.release} is not affected by {fix_id}: {claim.reason}")
-        return claim.status is catalog_.Status.UPSTREAM or self.state == "patched"
+
+@pytest.fixture
+def backend_log() -> Iterator[tuple[ModuleType, list[logging.LogRecord]]]:
+    """The FlashInfer sparse-MLA backend module of the tree, and the warnings it logs."""
+    backend = importlib.import_module("vllm.v1.attention.backends.mla.flashinfer_mla_sparse")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    backend.logger.addHandler(handler)
+    yield backend, records
+    backend.logger.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")

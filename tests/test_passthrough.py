@@ -27,13 +27,6 @@ MODEL = "glm-5.3-flash"
 
 
 @pytest.fixture
-def vllm() -> Iterator[StandIn]:
-    standin = StandIn().start()
-    yield standin
-    standin.stop()
-
-
-@pytest.fixture
 def sidecar(vllm: StandIn) -> Iterator[Callable[..., str]]:
     servers: list[ServerThread] = []
 

@@ -21,13 +21,6 @@ from server.sidecar.settings import Settings
 
 
 @pytest.fixture
-def vllm() -> Iterator[StandIn]:
-    standin = StandIn().start()
-    yield standin
-    standin.stop()
-
-
-@pytest.fixture
 def sidecar(vllm: StandIn, tmp_path: Path) -> Iterator[Callable[..., str]]:
     """Start a sidecar in front of the stand-in; returns its URL."""
     servers: list[ServerThread] = []

@@ -120,7 +120,7 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(args.vllm_tree.resolve()))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from conftest import Expect
+    from vllm_tree import Expect
 
     expect = Expect(args.release, args.state)
     figures: dict[str, object] = {"release": args.release, "state": args.state}

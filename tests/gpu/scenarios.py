@@ -7,7 +7,9 @@ runs one in a fresh process, for cases expected to crash the CUDA context.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -66,19 +68,30 @@ def vllm_config() -> Any:
     return VllmConfig(device_config=DeviceConfig(device="cuda"))
 
 
-def capture_piecewise(case: IndexGroupCase) -> torch.Tensor:
-    """Indexer inside a captured segment, conversion in the next eager break, replayed."""
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+@contextlib.contextmanager
+def piecewise_mode() -> Iterator[None]:
+    """A capture stream vLLM tracks, and a forward context in PIECEWISE mode, as in serving."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
 
-    marker = torch.zeros(1, device="cuda")
-    stream = torch.cuda.Stream()
     with (
-        torch.cuda.stream(stream),
+        torch.cuda.stream(torch.cuda.Stream()),
         set_forward_context(None, vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE),
     ):
-        capture = BreakableCUDAGraphCapture()
+        yield
+
+
+def breakable_capture() -> Any:
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    return BreakableCUDAGraphCapture()
+
+
+def capture_piecewise(case: IndexGroupCase) -> torch.Tensor:
+    """Indexer inside a captured segment, conversion in the next eager break, replayed."""
+    marker = torch.zeros(1, device="cuda")
+    with piecewise_mode():
+        capture = breakable_capture()
         with capture:
             marker.add_(1)
             case.group.set_logical_topk_ready(case.layer)  # recorded inside the segment
@@ -86,7 +99,7 @@ def capture_piecewise(case: IndexGroupCase) -> torch.Tensor:
             marker.add_(1)
         case.group.physical_topk_indices.fill_(-7)
         capture.replay()
-        stream.synchronize()
+        torch.cuda.synchronize()
     return case.result()
 
 
@@ -148,16 +161,8 @@ def hisparse_case() -> HiSparseCase:
 
 def capture_hisparse_piecewise(case: HiSparseCase) -> torch.Tensor:
     """Indexer records topk-ready in a segment; staging runs in the next eager break."""
-    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import set_forward_context
-
-    stream = torch.cuda.Stream()
-    with (
-        torch.cuda.stream(stream),
-        set_forward_context(None, vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE),
-    ):
-        capture = BreakableCUDAGraphCapture()
+    with piecewise_mode():
+        capture = breakable_capture()
         with capture:
             case.req_id.add_(0)
             case.ready.record(torch.cuda.current_stream())  # what the indexer does

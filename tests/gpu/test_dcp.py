@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-
-
-def _mask():
-    for name in ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.common"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        if hasattr(module, "mask_dcp_empty_shards_"):
-            return module.mask_dcp_empty_shards_
-    raise AssertionError("mask_dcp_empty_shards_ not found")
+from vllm_tree import mask_dcp_empty_shards
 
 
 def test_empty_dcp_shard_on_the_gpu(expect):
@@ -26,10 +14,10 @@ def test_empty_dcp_shard_on_the_gpu(expect):
     boundaries = torch.zeros(1, dtype=torch.int32, device="cuda")
     if not fixed:
         with pytest.raises((IndexError, RuntimeError)):
-            _mask()(lse, empty, boundaries)
+            mask_dcp_empty_shards()(lse, empty, boundaries)
             torch.cuda.synchronize()
         return
-    _mask()(lse, empty, boundaries)
+    mask_dcp_empty_shards()(lse, empty, boundaries)
     assert torch.isneginf(lse).all()
 
 

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import importlib
-import logging
 
 import pytest
 import torch
+from vllm_tree import mask_dcp_empty_shards
 
 GiB = 1 << 30
 DEFAULT_WORKSPACE = 394 * 1024 * 1024
 
 
-def _mask_function():
-    for name in ("vllm.v1.attention.ops.dcp", "vllm.v1.attention.ops.common"):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        if hasattr(module, "mask_dcp_empty_shards_"):
-            return module.mask_dcp_empty_shards_
-    raise AssertionError("mask_dcp_empty_shards_ not found")
-
-
 def test_empty_dcp_shard_masks_every_row(expect):
     fixed = expect.fixed("dcp-empty-shard-mask")
-    mask = _mask_function()
+    mask = mask_dcp_empty_shards()
     lse = torch.zeros(4, 2)
     empty = torch.zeros(0, dtype=torch.int32)
     boundaries = torch.zeros(1, dtype=torch.int32)
@@ -39,7 +28,7 @@ def test_empty_dcp_shard_masks_every_row(expect):
 
 def test_non_empty_shards_are_masked_as_before(expect):
     expect.fixed("dcp-empty-shard-mask")  # skips where the function does not exist
-    mask = _mask_function()
+    mask = mask_dcp_empty_shards()
     lse = torch.zeros(5, 2)
     # Two sequences: the first holds rows 0-1 with 3 local tokens, the second
     # rows 2-3 with none; row 4 is padding.
@@ -58,22 +47,6 @@ def test_workspace_size_is_byte_exact_on_seed_002(expect):
     assert compute(DEFAULT_WORKSPACE, 4, 64, 32768) == 17_594_056_704  # 16.39 GiB
     assert round(2_561_671_168 / GiB, 2) == 2.39 and round(17_594_056_704 / GiB, 2) == 16.39
     assert compute(DEFAULT_WORKSPACE, 1, 64, 32768) == DEFAULT_WORKSPACE
-
-
-@pytest.fixture
-def backend_log(monkeypatch):
-    """Warnings logged by the FlashInfer sparse backend module (vLLM's own logger)."""
-    backend = importlib.import_module("vllm.v1.attention.backends.mla.flashinfer_mla_sparse")
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Keep(level=logging.WARNING)
-    backend.logger.addHandler(handler)
-    yield backend, records
-    backend.logger.removeHandler(handler)
 
 
 def test_workspace_override_is_honoured_and_warned_when_too_small(expect, monkeypatch, backend_log):

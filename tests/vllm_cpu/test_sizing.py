@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import logging
 
 import pytest
 
@@ -62,26 +61,16 @@ def test_default_base_is_vllms_env_default(backend, monkeypatch):
     assert envs.VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE == sizing.DEFAULT_WORKSPACE_BYTES
 
 
-def test_override_semantics_match_vllm(backend, monkeypatch):
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Keep(level=logging.WARNING)
-    backend.logger.addHandler(handler)
-    try:
-        monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", raising=False)
-        for dcp, heads, tokens in itertools.product((2, 4), (32, 64), (4096, 32768)):
-            ours, warning = sizing.required_workspace_bytes(dcp, heads, tokens)
-            assert ours == backend._required_workspace_bytes(dcp, heads, tokens)
-            assert warning is None
-        for override in (1 << 20, 3 << 30, 64 << 30):
-            monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(override))
-            ours, warning = sizing.required_workspace_bytes(4, 64, 32768, override=override)
-            assert ours == backend._required_workspace_bytes(4, 64, 32768) == override
-            assert (warning is not None) == (override < 17_594_056_704)
-    finally:
-        backend.logger.removeHandler(handler)
+def test_override_semantics_match_vllm(backend, backend_log, monkeypatch):
+    _, records = backend_log
+    monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", raising=False)
+    for dcp, heads, tokens in itertools.product((2, 4), (32, 64), (4096, 32768)):
+        ours, warning = sizing.required_workspace_bytes(dcp, heads, tokens)
+        assert ours == backend._required_workspace_bytes(dcp, heads, tokens)
+        assert warning is None
+    for override in (1 << 20, 3 << 30, 64 << 30):
+        monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(override))
+        ours, warning = sizing.required_workspace_bytes(4, 64, 32768, override=override)
+        assert ours == backend._required_workspace_bytes(4, 64, 32768) == override
+        assert (warning is not None) == (override < 17_594_056_704)
     assert records, "vLLM warns when the override is below the computed size"
