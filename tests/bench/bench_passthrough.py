@@ -62,6 +62,7 @@ EMISSION = {
     "as one burst of 256 (faster than vLLM's API server would)",
 }
 
+JUDGED = ("production/direct", "production/sidecar", "saturation/sidecar", "rss/sidecar")
 NOISY_CORES = 0.15  # other processes' CPU above which a measurement is retried
 
 TARGETS = {
@@ -717,14 +718,24 @@ def main() -> int:
     report["targets"] = judge(report, bench.errors)
     report["ok"] = all(v["pass"] for v in report["targets"])
     others = _others_cpu(report)
-    report["machine"]["quiet"] = bool(load_start[0] < 1.0 and others <= NOISY_CORES)
-    report["machine"]["others_cpu_cores_max"] = others
-    report["machine"]["note"] = (
-        "quiet: 1-min load average below 1 at the start and other processes used under 0.15 "
-        "cores in every phase"
-        if report["machine"]["quiet"]
-        else f"NOT quiet: load average {load_start} at the start, other processes used up to "
-        f"{others} cores during a phase; figures may be pessimistic"
+    disturbed = {label: cores for label, cores in others.items() if cores > NOISY_CORES}
+    judged = [label for label in others if label in JUDGED]
+    judged_quiet = bool(judged) and not any(label in disturbed for label in judged)
+    quiet = load_start[0] < 1.0 and not disturbed
+    report["machine"].update(
+        {
+            "quiet": quiet,
+            "judged_measurements_quiet": judged_quiet,
+            "others_cpu_cores": others,
+            "note": (
+                f"quiet: 1-min load average below 1 at the start, other processes under "
+                f"{NOISY_CORES} cores in every measurement"
+                if quiet
+                else f"NOT quiet: load average {load_start} at the start; other processes took "
+                f"more than {NOISY_CORES} cores in: {disturbed or 'none'}; the measurements the "
+                f"targets are judged on were {'quiet' if judged_quiet else 'NOT quiet'}"
+            ),
+        }
     )
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -765,13 +776,16 @@ def _print_production(section: dict[str, Any]) -> None:
         )
 
 
-def _others_cpu(report: dict[str, Any]) -> float:
-    values = []
+def _others_cpu(report: dict[str, Any]) -> dict[str, float]:
+    """Cores other processes used during each measurement, by "section/target"."""
+    out = {}
     for section in ("production", "production_step_aligned", "saturation"):
-        for figures in report.get(section, {}).get("targets", {}).values():
-            values.append(figures.get("cpu_cores", {}).get("others", 0.0))
-    values.append(report.get("rss", {}).get("cpu_cores", {}).get("others", 0.0))
-    return round(max(values), 3)
+        for name, figures in report.get(section, {}).get("targets", {}).items():
+            if "cpu_cores" in figures:
+                out[f"{section}/{name}"] = figures["cpu_cores"]["others"]
+    if "cpu_cores" in report.get("rss", {}):
+        out["rss/sidecar"] = report["rss"]["cpu_cores"]["others"]
+    return out
 
 
 def summary(report: dict[str, Any]) -> None:
