@@ -8,10 +8,12 @@ Each prints one JSON object on stdout. The stand-in upstream (upstream.py) write
 as `"<seq>@<t_us> "`, t_us its CLOCK_MONOTONIC microseconds, which this process shares: the
 client checks that every stream carries 1..N in order and measures each chunk's delay.
 
-- production: streams start spread over --ramp seconds (seeded), after a warm-up that opens
-  the keep-alive connections; per stream, the time to first byte (request sent to the first
-  bytes of the body, which carry the role chunk), every gap between consecutive token chunks,
-  and each token chunk's delay (arrival minus the upstream's write time).
+- production: streams start spread over --ramp seconds (seeded), after a warm-up (twice
+  --streams concurrent short chats) that opens the keep-alive connections and takes the
+  server's chat path through its first requests; per stream, the time to first byte
+  (request sent to the first bytes of the body, which carry the role chunk), every gap
+  between consecutive token chunks, and each token chunk's delay (arrival minus the
+  upstream's write time).
 - saturation: --streams unthrottled streams, each replaced when it ends; SSE events counted as
   they arrive, over --window seconds after --warmup.
 - mix: the RSS workload: streaming and non-streaming chats, runaways (finish_reason length,
@@ -80,14 +82,17 @@ def session(api_key: str) -> aiohttp.ClientSession:
     )
 
 
-async def open_connections(client: aiohttp.ClientSession, url: str, count: int) -> None:
-    """Open `count` keep-alive connections (to the proxy and, through it, upstream)."""
+async def warm_up(client: aiohttp.ClientSession, url: str, model: str, count: int) -> None:
+    """`count` concurrent short streamed chats: open as many keep-alive connections (to the
+    proxy and, through it, upstream) and take the chat path through its first requests."""
 
     async def one() -> None:
-        async with client.get(f"{url}/v1/models") as response:
+        body = chat_body(model, 4, 0, stream=True, usage=True)
+        async with client.post(f"{url}/v1/chat/completions", json=body) as response:
             await response.read()
 
-    await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+    for _ in range(2):
+        await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
 
 
 def percentiles(values: list[int] | list[float], scale: float = 1e-3) -> dict[str, float]:
@@ -193,7 +198,7 @@ async def production(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     offsets = sorted(rng.uniform(0, args.ramp) for _ in range(args.streams))
     async with session(args.api_key) as client:
-        await open_connections(client, url, args.streams)
+        await warm_up(client, url, args.model, args.streams)
         await asyncio.sleep(0.5)
         start = time.monotonic()
 
@@ -295,7 +300,7 @@ async def saturation(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(0.1)
 
     async with session(args.api_key) as client:
-        await open_connections(client, url, args.streams)
+        await warm_up(client, url, args.model, args.streams)
         begin = time.monotonic()
         window_start = begin + args.warmup
         window_end = window_start + args.window
