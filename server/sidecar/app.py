@@ -1,4 +1,4 @@
-"""The sidecar's FastAPI application: health, status and metrics routes."""
+"""The sidecar's ASGI application: health, status and metrics routes, and the pass-through."""
 
 from __future__ import annotations
 

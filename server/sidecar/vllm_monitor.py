@@ -10,10 +10,12 @@ the reason, never raised.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-import httpx
+import aiohttp
 
 
 @dataclass(frozen=True)
@@ -38,18 +40,19 @@ class VllmMonitor:
     timeout: float
     interval: float
     snapshot: VllmSnapshot = field(default_factory=VllmSnapshot)
-    _client: httpx.AsyncClient | None = None
+    _session: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
         """Poll until cancelled."""
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout) as client:
-            self._client = client
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with aiohttp.ClientSession(base_url=self.base_url, timeout=timeout) as session:
+            self._session = session
             while True:
                 await self.check()
                 await asyncio.sleep(self.interval)
 
     async def check(self) -> VllmSnapshot:
-        assert self._client is not None
+        assert self._session is not None
         previous = self.snapshot
         health, error = await self._health()
         models: tuple[str, ...] = ()
@@ -73,36 +76,39 @@ class VllmMonitor:
         )
         return self.snapshot
 
-    async def _get(self, path: str) -> httpx.Response:
-        assert self._client is not None
-        return await self._client.get(path)
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.get(path) as response:
+            return response.status, await response.read()
+
+    async def _json(self, path: str) -> Any:
+        status, body = await self._get(path)
+        if status != 200:
+            raise ValueError(f"HTTP {status}")
+        return json.loads(body)
 
     async def _health(self) -> tuple[int | None, str | None]:
         try:
-            response = await self._get("/health")
-        except httpx.TimeoutException:
+            status, _ = await self._get("/health")
+        except TimeoutError:
             return None, f"/health timed out after {self.timeout:g} s"
-        except httpx.HTTPError as error:
+        except aiohttp.ClientError as error:
             return None, f"/health unreachable: {type(error).__name__}: {error}"
-        if response.status_code != 200:
-            return response.status_code, f"/health returned HTTP {response.status_code}"
+        if status != 200:
+            return status, f"/health returned HTTP {status}"
         return 200, None
 
     async def _models(self) -> tuple[tuple[str, ...], str | None]:
         try:
-            response = await self._get("/v1/models")
-            response.raise_for_status()
-            data = response.json()["data"]
+            data = (await self._json("/v1/models"))["data"]
             return tuple(str(entry["id"]) for entry in data), None
-        except httpx.TimeoutException:
+        except TimeoutError:
             return (), f"/v1/models timed out after {self.timeout:g} s"
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as error:
             return (), f"/v1/models unusable: {type(error).__name__}: {error}"
 
     async def _version(self) -> tuple[str | None, str | None]:
         try:
-            response = await self._get("/version")
-            response.raise_for_status()
-            return str(response.json()["version"]), None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            return str((await self._json("/version"))["version"]), None
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as error:
             return None, f"/version unusable: {error}"
