@@ -33,10 +33,16 @@ import argparse
 import asyncio
 import json
 import signal
+import sys
 import time
 import uuid
 from email.utils import formatdate
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the vLLM stand-in
+
+import vllm_standin
 
 HEAD_END = b"\r\n\r\n"
 
@@ -64,39 +70,10 @@ CLOCK = Clock()
 
 
 def model_list(model: str, max_model_len: int) -> bytes:
-    """vLLM's ModelList / ModelCard / ModelPermission, as `JSONResponse` writes it."""
-    now = int(time.time())
-    body = {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": now,
-                "owned_by": "vllm",
-                "root": model,
-                "parent": None,
-                "max_model_len": max_model_len,
-                "permission": [
-                    {
-                        "id": f"modelperm-{uuid.uuid4().hex}",
-                        "object": "model_permission",
-                        "created": now,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
-            }
-        ],
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
+    """vLLM's ModelList, as the CPU stand-in builds it, serialized compactly."""
+    return json.dumps(
+        vllm_standin.model_list([model], max_model_len), separators=(",", ":")
+    ).encode()
 
 
 def parse_directive(body: dict[str, Any]) -> dict[str, Any]:
