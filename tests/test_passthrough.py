@@ -154,6 +154,19 @@ def test_completions_endpoint_runaway_is_whitespace_at_the_cap(sidecar):
 
 def test_status_headers_and_bodies_are_vllms_own(vllm, sidecar):
     url = sidecar()
+    for stream in (False, True):
+        response = httpx.post(
+            f"{url}/v1/chat/completions",
+            json=ask("hello", stream=stream),
+            headers={"Authorization": "Bearer team-key", "X-Request-Id": f"trace-{stream}"},
+        )
+        assert response.headers["x-request-id"] == f"trace-{stream}"  # vLLM's, passed back
+        assert response.headers["content-type"].startswith(
+            "text/event-stream" if stream else "application/json"
+        )
+        sent = vllm.behaviour.headers[-1]
+        assert sent["authorization"] == "Bearer team-key"  # the client's, passed on
+        assert sent["x-request-id"] == f"trace-{stream}"
     models = httpx.get(f"{url}/v1/models").json()
     assert models == httpx.get(f"{vllm.url}/v1/models").json() | {"data": models["data"]}
     assert models["data"][0]["owned_by"] == "vllm"

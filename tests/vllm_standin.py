@@ -24,6 +24,8 @@ from typing import Any
 
 from http_server import ServerThread
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -43,6 +45,7 @@ class Behaviour:
     streams_started: int = 0
     streams_cancelled: int = 0  # streams whose client went away before the end
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
+    headers: list[dict[str, str]] = field(default_factory=list)  # their headers
 
 
 def model_list(names: list[str], max_model_len: int) -> dict[str, Any]:
@@ -102,7 +105,9 @@ class StandIn:
         self.url = self._server.url
 
     def app(self) -> Starlette:
+        # As `vllm serve --enable-request-id-headers` (vLLM's XRequestIdMiddleware).
         return Starlette(
+            middleware=[Middleware(XRequestIdMiddleware)],
             routes=[
                 Route("/health", self._health),
                 Route("/v1/models", self._models),
@@ -110,7 +115,7 @@ class StandIn:
                 Route("/metrics", self._metrics),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
-            ]
+            ],
         )
 
     async def _pause(self) -> None:
@@ -146,6 +151,7 @@ class StandIn:
     async def _generate(self, request: Request, chat: bool) -> Response:
         body = await request.json()
         self.behaviour.requests.append(body)
+        self.behaviour.headers.append(dict(request.headers))
         await self._pause()
         outcome = _outcome(body, chat)
         if outcome == "error":
@@ -189,6 +195,26 @@ class StandIn:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+class XRequestIdMiddleware:
+    """Echo the request's X-Request-Id (or a fresh one) on every response, as vLLM does."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("X-Request-Id", uuid.uuid4().hex)
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(raw=message["headers"]).append("X-Request-Id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 HANG: dict[str, Any] = {}  # a stream marker: stop sending, keep the connection open
