@@ -36,7 +36,7 @@ class Sidecar:
     @classmethod
     def create(cls, settings: Settings) -> Sidecar:
         registry = CollectorRegistry()
-        monitor = VllmMonitor(settings.vllm_url, settings.probe_timeout, settings.poll_interval)
+        monitor = VllmMonitor(settings.probe_timeout, settings.poll_interval)
         ledger = Ledger(registry, "mla_serve_")
         proxy = Proxy(
             ProxySettings(
@@ -51,7 +51,6 @@ class Sidecar:
         canary = None
         if settings.canary_prompt_file is not None:
             canary = Canary(
-                upstream=settings.vllm_url,
                 prompt_file=settings.canary_prompt_file,
                 model=settings.canary_model,
                 interval=settings.canary_interval,
@@ -112,12 +111,13 @@ def create_app(settings: Settings) -> PassThroughRouter:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await sidecar.proxy.start()
+        session = sidecar.proxy.session
         tasks = [
-            asyncio.create_task(sidecar.monitor.run(), name="vllm-monitor"),
+            asyncio.create_task(sidecar.monitor.run(session), name="vllm-monitor"),
             asyncio.create_task(sidecar.verify_fixes_forever(), name="fix-verifier"),
         ]
         if sidecar.canary is not None:
-            tasks.append(asyncio.create_task(sidecar.canary.run(), name="canary"))
+            tasks.append(asyncio.create_task(sidecar.canary.run(session), name="canary"))
         try:
             yield
         finally:

@@ -24,7 +24,6 @@ from server.sidecar.vllm_monitor import VllmMonitor
 
 @dataclass
 class Canary:
-    upstream: str
     prompt_file: Path
     model: str | None
     interval: float
@@ -35,14 +34,13 @@ class Canary:
     monitor: VllmMonitor
     last_round: dict[str, Any] = field(default_factory=dict)
 
-    async def run(self) -> None:
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Send rounds through `session` (whose base URL is vLLM's) until cancelled."""
         prompt = self.prompt_file.read_text(encoding="utf-8")
-        timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with aiohttp.ClientSession(base_url=self.upstream, timeout=timeout) as session:
-            while True:
-                if self.monitor.snapshot.up and (self.model or self.monitor.snapshot.models):
-                    await self.round(session, prompt)
-                await asyncio.sleep(self.interval)
+        while True:
+            if self.monitor.snapshot.up and (self.model or self.monitor.snapshot.models):
+                await self.round(session, prompt)
+            await asyncio.sleep(self.interval)
 
     async def round(self, session: aiohttp.ClientSession, prompt: str) -> None:
         model = self.model or self.monitor.snapshot.models[0]
@@ -65,8 +63,9 @@ class Canary:
             "max_tokens": self.max_tokens,
             "stream": False,
         }
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with session.post("/v1/chat/completions", json=body) as response:
+            async with session.post("/v1/chat/completions", json=body, timeout=timeout) as response:
                 payload = await response.read()
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")

@@ -77,6 +77,13 @@ class Proxy:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The one connection pool to vLLM, shared with the monitor and the canary: their
+        requests keep a connection warm for the first client request."""
+        assert self._session is not None, "start() first"
+        return self._session
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -36,20 +36,17 @@ class VllmSnapshot:
 
 @dataclass
 class VllmMonitor:
-    base_url: str
     timeout: float
     interval: float
     snapshot: VllmSnapshot = field(default_factory=VllmSnapshot)
     _session: aiohttp.ClientSession | None = None
 
-    async def run(self) -> None:
-        """Poll until cancelled."""
-        timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with aiohttp.ClientSession(base_url=self.base_url, timeout=timeout) as session:
-            self._session = session
-            while True:
-                await self.check()
-                await asyncio.sleep(self.interval)
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        """Poll through `session` (whose base URL is vLLM's) until cancelled."""
+        self._session = session
+        while True:
+            await self.check()
+            await asyncio.sleep(self.interval)
 
     async def check(self) -> VllmSnapshot:
         assert self._session is not None
@@ -78,7 +75,8 @@ class VllmMonitor:
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         assert self._session is not None
-        async with self._session.get(path) as response:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with self._session.get(path, timeout=timeout) as response:
             return response.status, await response.read()
 
     async def _json(self, path: str) -> Any:
