@@ -91,6 +91,19 @@ class Drift:
     detail: str
 
 
+def changed_files(
+    tree: VllmTree, document: dict[str, Any]
+) -> list[tuple[str, str | None, str | None]]:
+    """(path, sha256 now or None if missing, sha256 the manifest records) of each changed file."""
+    changed = []
+    for row in document["files"]:
+        text = tree.read(row["path"])
+        actual = None if text is None else sha256(text.encode())
+        if actual != row["sha256_after"]:
+            changed.append((row["path"], actual, row["sha256_after"]))
+    return changed
+
+
 def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[Drift]:
     """Everything that no longer matches the manifest; empty when the tree is intact."""
     drifts: list[Drift] = []
@@ -111,14 +124,9 @@ def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[D
                 f"{document['release']}; run apply again",
             )
         )
-    for row in document["files"]:
-        text = tree.read(row["path"])
-        actual = None if text is None else sha256(text.encode())
-        if actual != row["sha256_after"]:
-            state = "missing" if actual is None else f"sha256 {actual[:12]}…"
-            drifts.append(
-                Drift(row["path"], f"{state}, manifest says {str(row['sha256_after'])[:12]}…")
-            )
+    for path, actual, expected in changed_files(tree, document):
+        state = "missing" if actual is None else f"sha256 {actual[:12]}…"
+        drifts.append(Drift(path, f"{state}, manifest says {str(expected)[:12]}…"))
     for fix in document["fixes"]:
         if fix["id"] not in probes.PROBES:
             drifts.append(Drift(fix["id"], "fix unknown to this mla-serve; run apply again"))

@@ -7,7 +7,6 @@ error. Nothing here allocates GPU memory or synchronizes the device.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.patching.tree import sha256
+from server.patching import manifest, tree
 
 FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 MANIFEST_ENV = "MLA_SERVE_MANIFEST"
@@ -116,16 +115,10 @@ def manifest_check() -> dict[str, Any] | None:
     if not vllm_file:
         return None
     root = Path(vllm_file).resolve().parent.parent
-    path = Path(os.environ.get(MANIFEST_ENV) or root / "vllm" / "mla_serve_manifest.json")
+    path = Path(os.environ.get(MANIFEST_ENV) or root / "vllm" / manifest.FILENAME)
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-        rows = document["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        changed = manifest.changed_files(tree.locate(root), manifest.read(path))
+    except (manifest.ManifestError, tree.TreeError):
         return {"path": str(path), "files_match": None, "mismatched": []}
-    mismatched = []
-    for row in rows:
-        file = root / row["path"]
-        actual = sha256(file.read_bytes()) if file.is_file() else None
-        if actual != row["sha256_after"]:
-            mismatched.append(row["path"])
+    mismatched = [changed_path for changed_path, _, _ in changed]
     return {"path": str(path), "files_match": not mismatched, "mismatched": mismatched}
