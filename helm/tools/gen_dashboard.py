@@ -9,11 +9,11 @@ Usage: python helm/tools/gen_dashboard.py [--check]
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import generated
 
 DASHBOARD_PATH = Path(__file__).resolve().parents[1] / "mla-serve" / "files" / "dashboard.json"
 
@@ -437,17 +437,7 @@ def dashboard() -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
-    args = parser.parse_args()
-    text = json.dumps(dashboard(), indent=2) + "\n"
-    if args.check:
-        if DASHBOARD_PATH.read_text() != text:
-            print(f"{DASHBOARD_PATH} is stale: run python {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    DASHBOARD_PATH.write_text(text)
-    return 0
+    return generated.main(DASHBOARD_PATH, dashboard, __doc__.splitlines()[0], Path(__file__).name)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ Usage: python helm/tools/gen_schema.py [--check]
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from itertools import product
 from pathlib import Path
 from typing import Any
+
+import generated
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "mla-serve" / "values.schema.json"
 
@@ -483,17 +483,7 @@ def schema() -> Schema:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
-    args = parser.parse_args()
-    text = json.dumps(schema(), indent=2) + "\n"
-    if args.check:
-        if SCHEMA_PATH.read_text() != text:
-            print(f"{SCHEMA_PATH} is stale: run python {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    SCHEMA_PATH.write_text(text)
-    return 0
+    return generated.main(SCHEMA_PATH, schema, __doc__.splitlines()[0], Path(__file__).name)
 
 
 if __name__ == "__main__":
