@@ -35,7 +35,7 @@ class FixState:
 
     fix: Fix
     status: Status
-    action: str  # applied | already-applied | upstream | not-affected | pending
+    action: str  # applied | already-applied | upstream | not-affected
     probe: probes.ProbeResult
 
 

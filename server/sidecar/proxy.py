@@ -34,7 +34,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 CLASSIFIED = ("/v1/chat/completions", "/v1/completions")
-HOP_BY_HOP = frozenset(
+# Hop-by-hop headers, plus those the client library sets itself for its own request.
+NOT_FORWARDED = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
         b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
@@ -138,7 +139,7 @@ class Proxy:
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
-            if k.lower() not in HOP_BY_HOP
+            if k.lower() not in NOT_FORWARDED
         ]
         # A stream's headers come at once and its chunks follow: bound the gaps. A
         # non-streamed answer's headers come at the end: bound the whole wait.
@@ -291,7 +292,7 @@ async def _cancel_on_disconnect(exchange: Awaitable[None], receive: Receive) -> 
 
 
 async def _start(send: Send, response: aiohttp.ClientResponse, length: int | None = None) -> None:
-    headers = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in HOP_BY_HOP]
+    headers = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in NOT_FORWARDED]
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
