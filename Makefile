@@ -19,10 +19,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test lint format bench gpu-pack gpu-test clean
+.PHONY: help dist test lint format bench gpu-pack gpu-test e2e-pack e2e clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
 # The tool itself: no runtime dependencies, so `make dist` needs only this.
 $(BIN)/mla-serve: pyproject.toml
@@ -82,6 +82,12 @@ gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into 
 
 gpu-test:  ## GPU suite: run on a CUDA machine (no network) over the packed trees
 	bash tests/gpu/run.sh build/gpu-pack
+
+e2e-pack: $(VENV)/.test-deps  ## end to end: pack vLLM (sm_90 code only), wheels, tiny model into build/e2e-pack
+	$(BIN)/python tests/e2e/pack.py --vllm-version $(VLLM_VERSION) --out build/e2e-pack
+
+e2e:  ## end to end: on a CUDA machine (no network), real vLLM + sidecar + tests/e2e
+	bash tests/e2e/run.sh build/e2e-pack
 
 clean:  ## remove build outputs (keeps the download cache)
 	rm -rf build $(VENV)

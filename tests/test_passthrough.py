@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from http_server import ServerThread
-from prometheus_client.parser import text_string_to_metric_families
+from scrape import count
 from vllm_standin import StandIn
 
 from server.sidecar.app import create_app
@@ -43,20 +43,6 @@ def sidecar(vllm: StandIn) -> Iterator[Callable[..., str]]:
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="test-key", max_retries=0, timeout=30)
-
-
-def counters(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
-
-
-def count(url: str, name: str, **labels: str) -> float:
-    return counters(url).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def ask(text: str, **extra: object) -> dict[str, object]:

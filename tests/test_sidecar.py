@@ -12,6 +12,7 @@ import pytest
 import trees
 from http_server import ServerThread
 from prometheus_client.parser import text_string_to_metric_families
+from scrape import samples
 from vllm_standin import StandIn
 
 from server.patching import catalog, engine, manifest, tree
@@ -51,14 +52,6 @@ def wait_for(
         if predicate(response) or time.monotonic() > deadline:
             return response
         time.sleep(0.05)
-
-
-def metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = httpx.get(f"{url}/metrics").text
-    return {
-        family.name: [(sample.labels, sample.value) for sample in family.samples]
-        for family in text_string_to_metric_families(text)
-    }
 
 
 def test_ready_only_when_vllm_is_healthy_and_serves_the_model(vllm, sidecar):
@@ -106,7 +99,7 @@ def test_unreachable_slow_or_garbage_vllm_never_hangs_the_sidecar(vllm, sidecar)
     response = wait_for(f"{url}/readyz", lambda r: "unreachable" in r.text)
     assert response.status_code == 503
     assert httpx.get(f"{url}/livez").status_code == 200
-    assert metrics(url)["mla_serve_vllm_up"] == [({}, 0.0)]
+    assert samples(url)["mla_serve_vllm_up"] == [({}, 0.0)]
 
 
 def _plugin_state(rank: int, mode: str, workspace: int | None) -> dict[str, object]:
@@ -126,6 +119,7 @@ def _plugin_state(rank: int, mode: str, workspace: int | None) -> dict[str, obje
         "capture_bytes": 3 * (1 << 30),
         "attention_backends": ["FLASHINFER_MLA_SPARSE"],
         "sparse_mla_workspace_bytes": workspace,
+        "attention_workspace_bytes": 394 << 20,
         "num_attention_heads_per_rank": 64,
         "max_num_batched_tokens": 4096,
         "parallel": {"tp": 1, "pp": 1, "dp": 1, "pcp": 4, "dcp": 4, "ep": False},
@@ -137,7 +131,7 @@ def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):
     for rank in range(2):
         state.write(tmp_path / "state", _plugin_state(rank, "FULL_AND_PIECEWISE", 2_561_671_168))
     url = sidecar()
-    series = metrics(url)
+    series = samples(url)
     assert ({"mode": "FULL_AND_PIECEWISE", "rank": "1"}, 1.0) in series[
         "mla_serve_cudagraph_mode_info"
     ]
@@ -148,6 +142,7 @@ def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):
     # Seed 002: 64 heads per rank, DCP 4, 4096 batched tokens -> 2.39 GiB.
     assert ({"rank": "0", "kind": "actual"}, 2_561_671_168.0) in workspace
     assert ({"rank": "0", "kind": "predicted"}, 2_561_671_168.0) in workspace
+    assert ({"rank": "1"}, float(394 << 20)) in series["mla_serve_attention_workspace_bytes"]
 
     doc = httpx.get(f"{url}/status").json()
     figures = doc["engine"]["ranks"][0]["figures"]
@@ -179,7 +174,7 @@ def test_without_the_plugin_figures_come_from_vllms_log(sidecar, tmp_path):
     log = tmp_path / "vllm.log"
     log.write_text(VLLM_LOG)
     url = sidecar(vllm_log=log)
-    series = metrics(url)
+    series = samples(url)
     assert ({"mode": "PIECEWISE", "rank": "1"}, 1.0) in series["mla_serve_cudagraph_mode_info"]
     assert ({"rank": "1"}, 15.0) in series["mla_serve_cudagraph_capture_duration_seconds"]
     assert ({"rank": "0"}, 1.25 * (1 << 30)) in series["mla_serve_cudagraph_capture_memory_bytes"]
@@ -201,7 +196,7 @@ def test_manifest_verification_gates_readiness_and_reports_drift(sidecar, tmp_pa
     url = sidecar(manifest=path, vllm_tree=target)
     response = wait_for(f"{url}/readyz", lambda r: r.status_code == 200)
     assert response.json()["checks"]["fix_manifest"]["detail"] == "verified"
-    series = metrics(url)
+    series = samples(url)
     assert series["mla_serve_manifest_verified"] == [({}, 1.0)]
     fix_info = {labels["fix"]: labels for labels, _ in series["mla_serve_fix_info"]}
     assert fix_info["dcp-empty-shard-mask"] == {
@@ -217,7 +212,7 @@ def test_manifest_verification_gates_readiness_and_reports_drift(sidecar, tmp_pa
     response = wait_for(f"{url}/readyz", lambda r: r.json()["checks"]["fix_manifest"]["drift"])
     check = response.json()["checks"]["fix_manifest"]
     assert check["ok"] is False and any("ops/dcp.py" in line for line in check["drift"])
-    assert metrics(url)["mla_serve_manifest_verified"] == [({}, 0.0)]
+    assert samples(url)["mla_serve_manifest_verified"] == [({}, 0.0)]
 
 
 def test_metrics_follow_prometheus_naming(sidecar, tmp_path):

@@ -17,6 +17,7 @@ from typing import Any
 from server.patching import manifest, tree
 
 FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
+WORKSPACE = "vllm.v1.worker.workspace"
 MANIFEST_ENV = "MLA_SERVE_MANIFEST"
 
 
@@ -42,6 +43,7 @@ def collect(runner: Any, phase: str, capture: tuple[float, int | None] | None) -
         "capture_bytes": None if capture is None else capture[1],
         "attention_backends": _attention_backends(runner),
         "sparse_mla_workspace_bytes": _flashinfer_sparse_workspace(),
+        "attention_workspace_bytes": _attention_workspace(),
         "num_attention_heads_per_rank": _heads_per_rank(config),
         "max_num_batched_tokens": getattr(config.scheduler_config, "max_num_batched_tokens", None),
         "parallel": {
@@ -97,6 +99,21 @@ def _flashinfer_sparse_workspace() -> int | None:
     if buffer is None:
         return None
     return int(buffer.numel() * buffer.element_size())
+
+
+def _attention_workspace() -> int | None:
+    """Bytes of vLLM's shared attention scratch (`WorkspaceManager`) on this rank.
+
+    Every sparse-MLA backend draws its gathers and the indexer's transients from
+    it; graph capture locks it at its final size, so after capture it is what
+    the rank holds for the rest of its life. Read from the manager's private
+    list, as vLLM exposes no getter; `None` where a release has no manager.
+    """
+    module = sys.modules.get(WORKSPACE)
+    buffers = getattr(getattr(module, "_manager", None), "_current_workspaces", None)
+    if buffers is None:
+        return None
+    return sum(int(b.numel() * b.element_size()) for b in buffers if b is not None)
 
 
 def _heads_per_rank(config: Any) -> int | None:

@@ -24,6 +24,7 @@ FIGURES = (
     "capture_bytes",
     "attention_backends",
     "sparse_mla_workspace_bytes",
+    "attention_workspace_bytes",
     "parallel",
     "phase",
     "manifest",

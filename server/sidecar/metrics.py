@@ -88,6 +88,11 @@ def _engine(ranks: list[Rank]) -> Iterator[Metric]:
         "FlashInfer sparse-MLA workspace per rank: allocated, and the sizing model's figure.",
         labels=["rank", "kind"],
     )
+    scratch = GaugeMetricFamily(
+        "mla_serve_attention_workspace_bytes",
+        "vLLM's shared attention workspace per rank, at its size locked after graph capture.",
+        labels=["rank"],
+    )
     backend = GaugeMetricFamily(
         "mla_serve_attention_backend_info",
         "Attention backends each engine rank selected.",
@@ -105,8 +110,10 @@ def _engine(ranks: list[Rank]) -> Iterator[Metric]:
             memory.add_metric([label], float(rank.get("capture_bytes")))
         if rank.get("sparse_mla_workspace_bytes") is not None:
             workspace.add_metric([label, "actual"], float(rank.get("sparse_mla_workspace_bytes")))
+        if rank.get("attention_workspace_bytes") is not None:
+            scratch.add_metric([label], float(rank.get("attention_workspace_bytes")))
         if rank.predicted_workspace_bytes is not None:
             workspace.add_metric([label, "predicted"], float(rank.predicted_workspace_bytes))
         for name in rank.get("attention_backends") or []:
             backend.add_metric([str(name), label], 1)
-    yield from (mode, sizes, duration, memory, workspace, backend)
+    yield from (mode, sizes, duration, memory, workspace, scratch, backend)

@@ -3,8 +3,7 @@
 For each packed release: the files of its pristine tree that the GPU suite
 imports (its import closure, found by importing those modules here on the CPU;
 the patched tree is made there by `mla-serve patches apply`), as one .tar.xz.
-Plus the light cp312 wheels of tests/gpu/wheels.txt, downloaded once into
-.cache/gpu-wheels.
+Plus the light cp312 wheels of tests/gpu/wheels.txt (tests/carry.py).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import carry  # noqa: E402
 import trees  # noqa: E402
 
 RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.33.0")
@@ -84,31 +84,6 @@ def closure(release: str) -> list[str]:
     return sorted(files)
 
 
-def wheels(dest: Path) -> None:
-    cache = ROOT / ".cache" / "gpu-wheels"
-    cache.mkdir(parents=True, exist_ok=True)
-    requirements = ROOT / "tests" / "gpu" / "wheels.txt"
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "--python-version", "3.12", "--implementation", "cp",
-            *[f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)],
-            "--platform=manylinux2014_x86_64", "--platform=any",
-            "-d", str(cache), "-r", str(requirements),
-        ],
-        check=True,
-    )  # fmt: skip
-    names = {
-        line.split("==")[0].lower().replace("-", "_")
-        for line in requirements.read_text().splitlines()
-        if line and not line.startswith("#")
-    }
-    dest.mkdir(parents=True, exist_ok=True)
-    for wheel in cache.glob("*.whl"):
-        if wheel.name.split("-")[0].lower() in names:
-            shutil.copy2(wheel, dest / wheel.name)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-pack")
@@ -124,7 +99,7 @@ def main() -> int:
                 tar.add(trees.pristine(release) / name, arcname=name)
         sizes[release] = {"files": len(files), "bytes": archive.stat().st_size}
         print(f"vLLM {release}: {len(files)} files, {archive.stat().st_size / 2**20:.1f} MiB")
-    wheels(args.out / "wheels")
+    carry.wheels(ROOT / "tests" / "gpu" / "wheels.txt", args.out / "wheels")
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     (args.out / "pack.json").write_text(json.dumps({"releases": sizes, "bytes": total}, indent=2))
     print(f"pack: {args.out} ({total / 2**20:.1f} MiB; a device run carries at most 64 MiB)")

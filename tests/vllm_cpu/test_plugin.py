@@ -95,12 +95,23 @@ def test_rank_state_reports_backends_workspace_and_manifest(expect, state_dir, m
     )
     backend = importlib.import_module("vllm.v1.attention.backends.mla.flashinfer_mla_sparse")
     monkeypatch.setattr(backend, "_fi_sparse_workspace", torch.zeros(4096, dtype=torch.int8))
+    # vLLM's own workspace manager, grown by a request for two views, then locked
+    # (on CPU: its resize empties the accelerator cache, which a CPU-only torch refuses).
+    workspace = importlib.import_module("vllm.v1.worker.workspace")
+    monkeypatch.setattr(workspace, "_manager", None)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    workspace.init_workspace_manager(torch.device("cpu"))
+    workspace.current_workspace_manager().get_simultaneous(
+        ((1000,), torch.float32), ((3, 7), torch.bfloat16)
+    )
+    workspace.lock_workspace()
     plugin._report(runner, "ready")
     (written,) = state.read_all(state_dir)
     assert written["phase"] == "ready"
     assert written["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert written["attention_backends"] == ["FLASHMLA_SPARSE"]
     assert written["sparse_mla_workspace_bytes"] == 4096
+    assert written["attention_workspace_bytes"] == 4096 + 256  # each view rounded up to 256 B
     manifest = written["manifest"]
     assert manifest["path"].endswith("mla_serve_manifest.json")
     if expect.state == "patched":

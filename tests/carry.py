@@ -1,0 +1,54 @@
+"""What travels to the GPU machine besides the repository: light cp312 wheels.
+
+The GPU machine has Python 3.12, torch, triton and no network. The packs
+(tests/gpu/pack.py, tests/e2e/pack.py) download the wheels a requirements file
+pins into .cache/gpu-wheels once and copy them into the pack; there they are
+installed with `pip install --no-index --no-deps --target`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "gpu-wheels"
+PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)),
+             "manylinux2014_x86_64", "any")  # fmt: skip
+
+
+def wheels(requirements: Path, dest: Path) -> list[Path]:
+    """Copy the wheels `requirements` pins (following `-r` includes) into `dest`."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.12", "--implementation", "cp",
+            *[f"--platform={platform}" for platform in PLATFORMS],
+            "-d", str(CACHE), "-r", str(requirements),
+        ],
+        check=True,
+    )  # fmt: skip
+    names = _names(requirements)
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for wheel in sorted(CACHE.glob("*.whl")):
+        name, version = wheel.name.split("-")[:2]
+        if names.get(name.lower()) == version:
+            copied.append(Path(shutil.copy2(wheel, dest / wheel.name)))
+    return copied
+
+
+def _names(requirements: Path) -> dict[str, str]:
+    """Normalized distribution name → pinned version, as wheel file names spell them."""
+    pins: dict[str, str] = {}
+    for line in requirements.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            pins |= _names(requirements.parent / line[3:].strip())
+        elif "==" in line:
+            name, version = line.split("==", 1)
+            pins[name.strip().lower().replace("-", "_").replace(".", "_")] = version.strip()
+    return pins

@@ -1,0 +1,61 @@
+"""The live stack `make e2e` started (tests/e2e/stack.py), as fixtures.
+
+Without MLA_SERVE_E2E_STACK (every run but `make e2e` on a GPU machine) these
+tests skip. The test that kills the engine runs last, whatever the file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+STACK_ENV = "MLA_SERVE_E2E_STACK"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("kills_engine") is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kills_engine: ends vLLM; runs after every other test")
+
+
+@pytest.fixture(scope="session")
+def stack() -> dict[str, Any]:
+    path = os.environ.get(STACK_ENV)
+    if not path:
+        pytest.skip("needs the live vLLM stack that `make e2e` starts on a GPU machine")
+    return dict(json.loads(Path(path).read_text()))
+
+
+@pytest.fixture(scope="session")
+def live(stack: dict[str, Any]) -> dict[str, Any]:
+    """The stack, once the sidecar turned ready; fails fast with vLLM's last words if not."""
+    if stack["startup"] != "ready":
+        tail = Path(stack["vllm_log"]).read_text(errors="replace").splitlines()[-40:]
+        pytest.fail(f"the stack never became ready ({stack['startup']}):\n" + "\n".join(tail))
+    return stack
+
+
+@pytest.fixture(scope="session")
+def vllm_log(live: dict[str, Any]) -> str:
+    return Path(live["vllm_log"]).read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def status(live: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar's /status while the engine serves (kept with the results)."""
+    document = dict(httpx.get(f"{live['sidecar_url']}/status", timeout=10).json())
+    keep("status.json", json.dumps(document, indent=2))
+    return document
+
+
+def keep(name: str, text: str) -> None:
+    results = os.environ.get("MLA_SERVE_E2E_RESULTS")
+    if results:
+        (Path(results) / name).write_text(text)

@@ -1,0 +1,87 @@
+"""Chat completions through the sidecar's pass-through, with the official openai client.
+
+The dummy weights never close their reasoning: with thinking on and a small
+max_tokens every choice ends at the cap with reasoning only (a runaway); with
+thinking off the same tokens are visible content (a truncated answer, not a
+runaway). The sidecar's counters must tell the two apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+from scrape import count
+
+MAX_TOKENS = 16
+# Dummy weights may pick EOS (id 1) or `</think>` (id 4095, model.py) greedily: rule them
+# out, so thinking-on output never leaves its reasoning and every reply reaches the cap.
+NEVER = {"1": -100, "4095": -100}
+
+
+@pytest.fixture(scope="module")
+def client(live: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{live['sidecar_url']}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def ask(client: openai.OpenAI, model: str, thinking: bool, **extra: Any) -> Any:
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Why do sparse attention kernels need a top-k?"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logit_bias=NEVER,
+        extra_body={"chat_template_kwargs": {"thinking": thinking}},
+        **extra,
+    )
+
+
+def reasoning_of(message: Any) -> str:
+    return str((message.model_extra or {}).get("reasoning") or "")  # vLLM 0.33.0's field
+
+
+def test_non_streaming_chat(client: openai.OpenAI, live: dict[str, Any]) -> None:
+    response = ask(client, live["model"], thinking=False)
+    (choice,) = response.choices
+    assert response.model == live["model"]
+    assert choice.finish_reason == "length"
+    assert choice.message.content and choice.message.content.strip()
+    assert response.usage is not None and response.usage.completion_tokens == MAX_TOKENS
+
+
+def test_streaming_chat(client: openai.OpenAI, live: dict[str, Any]) -> None:
+    chunks = list(ask(client, live["model"], thinking=False, stream=True))
+    # The sidecar asked vLLM for usage (to count runaway tokens) and stripped it again:
+    # no usage-only chunk reaches a client that did not ask for one.
+    assert all(c.choices for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert len(chunks) > 2 and text.strip()
+    assert finish == ["length"]
+
+
+def test_runaways_are_counted_and_truncated_answers_are_not(
+    client: openai.OpenAI, live: dict[str, Any]
+) -> None:
+    url, model = live["sidecar_url"], live["model"]
+    runaways = count(url, "mla_serve_runaway_completions_total", model=model)
+    tokens = count(url, "mla_serve_runaway_tokens_total", model=model)
+    truncated = count(url, "mla_serve_completions_total", model=model, finish_reason="length")
+
+    plain = ask(client, model, thinking=True)
+    assert not (plain.choices[0].message.content or "").strip()
+    assert reasoning_of(plain.choices[0].message), "the tokens went into reasoning"
+    streamed = list(ask(client, model, thinking=True, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices).strip()
+    visible = ask(client, model, thinking=False)
+    assert (visible.choices[0].message.content or "").strip()
+
+    assert count(url, "mla_serve_runaway_completions_total", model=model) == runaways + 2
+    assert count(url, "mla_serve_runaway_tokens_total", model=model) == tokens + 2 * MAX_TOKENS
+    assert (
+        count(url, "mla_serve_completions_total", model=model, finish_reason="length")
+        == truncated + 3
+    )
