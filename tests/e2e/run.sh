@@ -25,6 +25,23 @@ export PATH="$WORK/bin:$PATH"
 # Caches a fresh machine starts without; VLLM_DEBUG_WORKSPACE logs the locked workspace.
 export HOME="$WORK/home" VLLM_DEBUG_WORKSPACE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 mkdir -p "$HOME"
+# DeepGEMM compiles its kernels at run time with the machine's nvcc.
+if [ -z "${CUDA_HOME:-}" ]; then
+  for dir in /usr/local/cuda /usr/local/cuda-*; do
+    [ -x "$dir/bin/nvcc" ] && { export CUDA_HOME="$dir"; break; }
+  done
+fi
+echo "== extension modules under torch $($PYTHON -c 'import torch; print(torch.__version__)'), CUDA_HOME=${CUDA_HOME:-unset}"
+$PYTHON - <<'PY'
+import importlib
+for name in ("vllm._C_stable_libtorch", "vllm._flashmla_C", "vllm._flashmla_extension_C",
+             "vllm.vllm_flash_attn._vllm_fa3_C", "vllm.third_party.deep_gemm"):
+    try:
+        importlib.import_module(name)
+        print(f"  {name}: loads")
+    except Exception as error:  # reported; vLLM's own start shows what it costs
+        print(f"  {name}: {type(error).__name__}: {error}")
+PY
 echo "== patches apply (vLLM $(tar -xJOf "$PACK/vllm.tar.xz" --wildcards 'vllm-*.dist-info/METADATA' | sed -n 's/^Version: //p'))"
 mla-serve patches apply --target "$WORK/vllm" || exit 1
 echo "== stack and tests"
