@@ -128,6 +128,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=420)
     parser.add_argument("extra", nargs="*", help="more `vllm serve` flags")
     args = parser.parse_args()
+    for name in ("vllm_tree", "model", "work", "results"):  # vLLM runs in another directory
+        setattr(args, name, getattr(args, name).resolve())
     args.results.mkdir(parents=True, exist_ok=True)
     stack = start(args, args.work)
     print(f"started the sidecar and vLLM; logs in {args.work}", flush=True)
