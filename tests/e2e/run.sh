@@ -22,8 +22,10 @@ printf '#!/bin/sh\nexec %s -m vllm.entrypoints.cli.main "$@"\n' "$PYTHON" > "$WO
 printf '#!/bin/sh\nexec %s -m server.cli "$@"\n' "$PYTHON" > "$WORK/bin/mla-serve"
 chmod +x "$WORK/bin/"*
 export PATH="$WORK/bin:$PATH"
-# Caches a fresh machine starts without; VLLM_DEBUG_WORKSPACE logs the locked workspace.
-export HOME="$WORK/home" VLLM_DEBUG_WORKSPACE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+# Caches a fresh machine starts without; VLLM_DEBUG_WORKSPACE logs the locked workspace;
+# FlashInfer (a vLLM image has it) is not carried, so sampling takes vLLM's own top-k/top-p.
+export HOME="$WORK/home" VLLM_DEBUG_WORKSPACE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0
 mkdir -p "$HOME"
 # DeepGEMM compiles its kernels at run time with the machine's nvcc.
 if [ -z "${CUDA_HOME:-}" ]; then
