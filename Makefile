@@ -87,6 +87,7 @@ e2e-pack: $(VENV)/.test-deps  ## end to end: pack vLLM (sm_90 code only), wheels
 	$(BIN)/python tests/e2e/pack.py --vllm-version $(VLLM_VERSION) --out build/e2e-pack
 
 e2e:  ## end to end: on a CUDA machine (no network), real vLLM + sidecar + tests/e2e
+	bash tests/e2e/run.sh deps build/e2e-deps
 	bash tests/e2e/run.sh build/e2e-pack
 
 clean:  ## remove build outputs (keeps the download cache)

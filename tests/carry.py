@@ -19,26 +19,41 @@ PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)),
              "manylinux2014_x86_64", "any")  # fmt: skip
 
 
+def download(*pins: str) -> list[Path]:
+    """The cached cp312 wheels of `pins` ("name==version"), downloaded if missing."""
+    _pip_download(*pins)
+    wanted = {_normal(pin.split("==")[0]): pin.split("==")[1] for pin in pins}
+    return [wheel for wheel in sorted(CACHE.glob("*.whl")) if _pinned(wheel, wanted)]
+
+
 def wheels(requirements: Path, dest: Path) -> list[Path]:
     """Copy the wheels `requirements` pins (following `-r` includes) into `dest`."""
+    _pip_download("-r", str(requirements))
+    wanted = _names(requirements)
+    dest.mkdir(parents=True, exist_ok=True)
+    return [
+        Path(shutil.copy2(wheel, dest / wheel.name))
+        for wheel in sorted(CACHE.glob("*.whl"))
+        if _pinned(wheel, wanted)
+    ]
+
+
+def _pip_download(*requirements: str) -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         [
             sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
             "--python-version", "3.12", "--implementation", "cp",
             *[f"--platform={platform}" for platform in PLATFORMS],
-            "-d", str(CACHE), "-r", str(requirements),
+            "-d", str(CACHE), *requirements,
         ],
         check=True,
     )  # fmt: skip
-    names = _names(requirements)
-    dest.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for wheel in sorted(CACHE.glob("*.whl")):
-        name, version = wheel.name.split("-")[:2]
-        if names.get(name.lower()) == version:
-            copied.append(Path(shutil.copy2(wheel, dest / wheel.name)))
-    return copied
+
+
+def _pinned(wheel: Path, wanted: dict[str, str]) -> bool:
+    name, version = wheel.name.split("-")[:2]
+    return wanted.get(name.lower()) == version
 
 
 def _names(requirements: Path) -> dict[str, str]:
@@ -50,5 +65,10 @@ def _names(requirements: Path) -> dict[str, str]:
             pins |= _names(requirements.parent / line[3:].strip())
         elif "==" in line:
             name, version = line.split("==", 1)
-            pins[name.strip().lower().replace("-", "_").replace(".", "_")] = version.strip()
+            pins[_normal(name)] = version.strip()
     return pins
+
+
+def _normal(name: str) -> str:
+    """A distribution name as wheel file names spell it."""
+    return name.strip().split("[")[0].lower().replace("-", "_").replace(".", "_")

@@ -10,9 +10,16 @@ build/e2e-pack/
   wheels/      light cp312 wheels of tests/e2e/wheels.txt, and mla-serve's own
                wheel (its `vllm.general_plugins` entry point loads the plugin)
   model/       the tiny DeepSeek-V3.2 model (model.py)
+  cute-dsl.tar.xz  the Python part of NVIDIA's CuTe DSL (see below)
   pack.json    release, sizes, and the device code each module kept
+build/e2e-deps/
+  cute-dsl-libs.tar.xz  the CuTe DSL's compiled MLIR library and runtime
 
-A device run carries the repository and the pack together, at most 64 MiB.
+vLLM's DeepSeek-V3.2 attention imports the CuTe DSL (the release's pinned
+`nvidia-cutlass-dsl[cu13]`) on every CUDA GPU, also where it then runs Triton
+(Hopper). Its compiled part alone nearly fills a carry (64 MiB with the
+repository), so it travels in the run before the main one: `run.sh deps`
+unpacks it where the main run finds it, while the machine stays warm.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import fnmatch
 import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -78,6 +86,47 @@ def tree(release: str, archive: Path) -> dict[str, object]:
     return {"wheel": source.name, "extensions": modules}
 
 
+def cute_dsl(source: Path, python_part: Path, libraries: Path) -> list[str]:
+    """Unpacked wheels of the CuTe DSL the release pins, in two archives; their names."""
+    with zipfile.ZipFile(source) as zipped:
+        metadata = next(n for n in zipped.namelist() if n.endswith(".dist-info/METADATA"))
+        pinned = re.search(r"^Requires-Dist: nvidia-cutlass-dsl\[cu13\]==(\S+)$",
+                           zipped.read(metadata).decode(), re.MULTILINE)  # fmt: skip
+    if pinned is None:
+        return []  # releases before the CuTe DSL
+    version = pinned.group(1)
+    parts = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core")
+    wheels = carry.download(*(f"{name}=={version}" for name in parts))
+    site_archive(wheels, python_part)
+    (compiled,) = carry.download(f"nvidia-cutlass-dsl-libs-cu13=={version}")
+    record = libraries.with_suffix(".json")
+    if (
+        not libraries.is_file()
+        or not record.is_file()
+        or json.loads(record.read_text()) != [compiled.name]
+    ):  # 2 minutes of xz: kept while the wheel is the same
+        site_archive([compiled], libraries)
+        record.write_text(json.dumps([compiled.name]))
+    return sorted(w.name for w in (*wheels, compiled))
+
+
+def site_archive(wheels: list[Path], archive: Path) -> None:
+    """The wheels' files as pip lays them out in site-packages, as a deterministic .tar.xz."""
+    raw = archive.with_suffix("")
+    with tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tar:
+        for source in wheels:
+            with zipfile.ZipFile(source) as zipped:
+                for info in sorted(zipped.infolist(), key=lambda item: item.filename):
+                    if info.is_dir():
+                        continue
+                    member = tarfile.TarInfo(info.filename)
+                    member.size = info.file_size
+                    member.mode = 0o755 if info.filename.endswith(".so") else 0o644
+                    tar.addfile(member, io.BytesIO(zipped.read(info)))
+    print(f"  {archive.name}: compressing {raw.stat().st_size / 2**20:.0f} MiB with xz")
+    subprocess.run(["xz", "-9e", "-T0", "-f", str(raw)], check=True)
+
+
 def project_wheel(dest: Path) -> Path:
     """mla-serve's own wheel, built from this checkout."""
     subprocess.run(
@@ -99,30 +148,39 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm-version", default="0.33.0")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e-pack")
+    parser.add_argument("--deps", type=Path, default=ROOT / "build" / "e2e-deps")
     args = parser.parse_args()
     out: Path = args.out
-    for stale in (*out.glob("wheels/*.whl"), *out.glob("vllm*.tar*")):
+    args.deps.mkdir(parents=True, exist_ok=True)
+    for stale in (*out.glob("wheels/*.whl"), *out.glob("*.tar*")):
         stale.unlink()
     out.mkdir(parents=True, exist_ok=True)
     print(f"vLLM {args.vllm_version}: tree and extension modules (sm_{ARCH} device code only)")
     built = tree(args.vllm_version, out / "vllm.tar.xz")
+    print("CuTe DSL")
+    source = wheel.fetch(args.vllm_version, ROOT / ".cache" / "wheels")
+    cute = cute_dsl(source, out / "cute-dsl.tar.xz", args.deps / "cute-dsl-libs.tar.xz")
     print("wheels")
     wheels = carry.wheels(ROOT / "tests" / "e2e" / "wheels.txt", out / "wheels")
     wheels.append(project_wheel(out / "wheels"))
     print("model")
     subprocess.run([sys.executable, str(ROOT / "tests/e2e/model.py"), "--out", str(out / "model")],
                    check=True)  # fmt: skip
-    pack = sum(path.stat().st_size for path in out.rglob("*") if path.is_file())
-    total = pack + repository_bytes()
+    repository = repository_bytes()
+    sizes = {}
+    for carried in (out, args.deps):
+        pack = sum(path.stat().st_size for path in carried.rglob("*") if path.is_file())
+        sizes[carried.name] = pack + repository
+        print(f"pack: {carried} ({pack / 2**20:.1f} MiB; with the repository "
+              f"{(pack + repository) / 2**20:.1f} MiB)")  # fmt: skip
     (out / "pack.json").write_text(
         json.dumps(
-            {"vllm_version": args.vllm_version, "arch": f"sm_{ARCH}", **built,
-             "wheels": sorted(w.name for w in wheels), "pack_bytes": pack, "carry_bytes": total},
+            {"vllm_version": args.vllm_version, "arch": f"sm_{ARCH}", **built, "cute_dsl": cute,
+             "wheels": sorted(w.name for w in wheels), "carry_bytes": sizes},
             indent=2,
         ) + "\n"
     )  # fmt: skip
-    print(f"pack: {out} ({pack / 2**20:.1f} MiB; with the repository {total / 2**20:.1f} MiB)")
-    if total > CARRY_LIMIT:
+    if max(sizes.values()) > CARRY_LIMIT:
         print(f"error: a device run carries at most {CARRY_LIMIT >> 20} MiB", file=sys.stderr)
         return 1
     return 0

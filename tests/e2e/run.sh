@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# `make e2e`, on the GPU machine (no network): unpack what `make e2e-pack` made,
+# `make e2e`, on the GPU machine (no network), in two steps (two carries of 64 MiB):
+#   run.sh deps [build/e2e-deps]   unpack the CuTe DSL's compiled part into $DEPS
+#   run.sh [build/e2e-pack] [vllm serve flags...]   everything else, then the tests:
+# unpack what `make e2e-pack` made,
 # install the wheels beside the machine's torch, record the fix manifest with
 # mla-serve itself (`patches apply`, as the image build does), start the sidecar
 # and vLLM (tests/e2e/stack.py), run tests/e2e against them, and write the
 # results (summary.json, junit.xml, logs, /status) to $OUT or tests/e2e/results/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+DEPS=${TMPDIR:-/tmp}/mla-serve-e2e-deps  # outlives the main step's work directory
+if [ "${1:-}" = deps ]; then
+  rm -rf "$DEPS" && mkdir -p "$DEPS/site"
+  tar -xJf "${2:-build/e2e-deps}/cute-dsl-libs.tar.xz" -C "$DEPS/site" || exit 2
+  echo "unpacked into $DEPS/site: $(du -sh "$DEPS/site" | cut -f1)"
+  exit 0
+fi
 PACK=${1:-build/e2e-pack}
 [ "$#" -eq 0 ] || shift  # the rest: more `vllm serve` flags
 RESULTS=${OUT:-tests/e2e/results}
@@ -16,7 +26,12 @@ rm -rf "$WORK" && mkdir -p "$WORK/site" "$WORK/vllm" "$WORK/bin" "$RESULTS"
 echo "== install: $(ls "$PACK"/wheels/*.whl | wc -l) wheels, vLLM tree"
 $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$PACK"/wheels/*.whl || exit 2
 tar -xJf "$PACK/vllm.tar.xz" -C "$WORK/vllm" || exit 2
-export PYTHONPATH="$PWD:$WORK/vllm:$WORK/site" PYTHONUNBUFFERED=1 MLA_SERVE_E2E_RESULTS="$RESULTS"
+[ -d "$DEPS/site" ] || echo "warning: no $DEPS/site: run 'run.sh deps' first" >&2
+mkdir -p "$DEPS/site" && tar -xJf "$PACK/cute-dsl.tar.xz" -C "$DEPS/site" || exit 2
+# The CuTe DSL's wheel puts its packages on sys.path with a .pth file, which only site
+# directories read: name that path here.
+export PYTHONPATH="$PWD:$WORK/vllm:$WORK/site:$DEPS/site:$DEPS/site/nvidia_cutlass_dsl/dsl_packages"
+export PYTHONUNBUFFERED=1 MLA_SERVE_E2E_RESULTS="$RESULTS"
 # The commands the image puts on PATH, for the image's own entrypoint.
 printf '#!/bin/sh\nexec %s -m vllm.entrypoints.cli.main "$@"\n' "$PYTHON" > "$WORK/bin/vllm"
 printf '#!/bin/sh\nexec %s -m server.cli "$@"\n' "$PYTHON" > "$WORK/bin/mla-serve"
@@ -37,7 +52,7 @@ echo "== extension modules under torch $($PYTHON -c 'import torch; print(torch._
 $PYTHON - <<'PY'
 import importlib
 for name in ("vllm._C_stable_libtorch", "vllm._flashmla_C", "vllm._flashmla_extension_C",
-             "vllm.vllm_flash_attn._vllm_fa3_C", "vllm.third_party.deep_gemm"):
+             "vllm.vllm_flash_attn._vllm_fa3_C", "vllm.third_party.deep_gemm", "cutlass.cute"):
     try:
         importlib.import_module(name)
         print(f"  {name}: loads")
