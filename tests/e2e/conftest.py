@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,20 @@ def vllm_log(live: dict[str, Any]) -> str:
 
 
 @pytest.fixture(scope="session")
-def status(live: dict[str, Any]) -> dict[str, Any]:
+def keep() -> Callable[[str, Any], None]:
+    """Keep a figure with the results (MLA_SERVE_E2E_RESULTS), as JSON."""
+
+    def write(name: str, value: Any) -> None:
+        results = os.environ.get("MLA_SERVE_E2E_RESULTS")
+        if results:
+            (Path(results) / name).write_text(json.dumps(value, indent=2) + "\n")
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def status(live: dict[str, Any], keep: Callable[[str, Any], None]) -> dict[str, Any]:
     """The sidecar's /status while the engine serves (kept with the results)."""
     document = dict(httpx.get(f"{live['sidecar_url']}/status", timeout=10).json())
-    keep("status.json", json.dumps(document, indent=2))
+    keep("status.json", document)
     return document
-
-
-def keep(name: str, text: str) -> None:
-    results = os.environ.get("MLA_SERVE_E2E_RESULTS")
-    if results:
-        (Path(results) / name).write_text(text)

@@ -71,21 +71,23 @@ def startup(timeline: list[dict[str, Any]]) -> dict[str, Any]:
             "polls": len(timeline)}  # fmt: skip
 
 
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--pack", type=Path, required=True)
     parser.add_argument("--results", type=Path, required=True)
     args = parser.parse_args()
-    stack_file, results = args.work / "stack.json", args.results
-    stack = json.loads(stack_file.read_text()) if stack_file.is_file() else {}
-    timeline_file = args.work / "timeline.json"
-    timeline = json.loads(timeline_file.read_text()) if timeline_file.is_file() else []
+    results = args.results
+    stack = _json(args.work / "stack.json") or {}
+    timeline = _json(args.work / "timeline.json") or []
     for name in ("vllm.log", "sidecar.log", "timeline.json"):
         if (args.work / name).is_file():
             shutil.copyfile(args.work / name, results / name)
-    status_file = results / "status.json"
-    status = json.loads(status_file.read_text()) if status_file.is_file() else {}
+    status = _json(results / "status.json") or {}
     ranks = status.get("engine", {}).get("ranks", [])
     summary = {
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -98,6 +100,7 @@ def main() -> int:
             {name: figure["value"] for name, figure in rank["figures"].items()} for rank in ranks
         ],
         "fixes": status.get("fixes"),
+        "after_kill": _json(results / "shutdown.json"),
         "tests": tests(results / "junit.xml"),
     }
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from scrape import count
+from scrape import count, samples
 
 MAX_TOKENS = 16
 # Dummy weights may pick EOS (id 1) or `</think>` (id 4095, model.py) greedily: rule them
@@ -85,3 +85,19 @@ def test_runaways_are_counted_and_truncated_answers_are_not(
         count(url, "mla_serve_completions_total", model=model, finish_reason="length")
         == truncated + 3
     )
+
+
+def test_sidecar_and_vllm_count_the_same_finished_requests(live: dict[str, Any]) -> None:
+    """Every request of this run went through the pass-through: both ledgers agree."""
+    model = live["model"]
+    ours = {
+        labels["finish_reason"]: value
+        for labels, value in samples(live["sidecar_url"])["mla_serve_completions_total"]
+        if labels["model"] == model
+    }
+    theirs = {
+        labels["finished_reason"]: value
+        for labels, value in samples(live["vllm_url"])["vllm:request_success_total"]
+        if labels.get("model_name") == model and value
+    }
+    assert ours and ours == theirs

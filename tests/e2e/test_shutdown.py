@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,7 +16,9 @@ WITHIN_S = 5.0  # poll interval 0.5 s + probe timeout 2 s, with margin
 
 
 @pytest.mark.kills_engine
-def test_killing_vllm_fails_readyz_and_drops_vllm_up(live: dict[str, Any]) -> None:
+def test_killing_vllm_fails_readyz_and_drops_vllm_up(
+    live: dict[str, Any], keep: Callable[[str, Any], None]
+) -> None:
     url = live["sidecar_url"]
     assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
     os.killpg(int(live["engine_pgid"]), signal.SIGKILL)  # the API server and its engine core
@@ -27,6 +30,7 @@ def test_killing_vllm_fails_readyz_and_drops_vllm_up(live: dict[str, Any]) -> No
         if "vllm_up" not in seen and samples(url)["mla_serve_vllm_up"] == [({}, 0.0)]:
             seen["vllm_up"] = time.monotonic() - killed
         time.sleep(0.1)
+    keep("shutdown.json", {"seconds_after_kill": seen})
     assert seen.get("readyz", 99) <= WITHIN_S, seen
     assert seen.get("vllm_up", 99) <= WITHIN_S, seen
     # Clients get a prompt error from the pass-through, not a hang.
