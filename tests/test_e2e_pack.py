@@ -31,7 +31,7 @@ def module() -> bytes:
 
 
 def entries(data: bytes) -> list[fatbin.Entry]:
-    return [entry for group in fatbin._fatbins(data) for entry in group]
+    return [entry for group in fatbin.fatbins(data) for entry in group]
 
 
 def test_pruning_keeps_sm90_code_and_zeroes_the_rest(module: bytes) -> None:

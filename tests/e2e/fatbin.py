@@ -44,7 +44,7 @@ def prune(data: bytes, arch: int) -> tuple[bytes, int]:
     """
     out = bytearray(data)
     zeroed = 0
-    for entries in _fatbins(data):
+    for entries in fatbins(data):
         has_cubin = any(e.kind == CUBIN and e.arch == arch for e in entries)
         for entry in entries:
             drop = (entry.kind == CUBIN and entry.arch != arch) or (
@@ -59,14 +59,14 @@ def prune(data: bytes, arch: int) -> tuple[bytes, int]:
 def architectures(data: bytes) -> dict[tuple[int, int], int]:
     """Payload bytes per (kind, arch): what a module carries, for the pack report."""
     sizes: dict[tuple[int, int], int] = {}
-    for entries in _fatbins(data):
+    for entries in fatbins(data):
         for entry in entries:
             key = (entry.kind, entry.arch)
             sizes[key] = sizes.get(key, 0) + entry.size
     return sizes
 
 
-def _fatbins(data: bytes) -> Iterator[list[Entry]]:
+def fatbins(data: bytes) -> Iterator[list[Entry]]:
     section = _section(data, ".nv_fatbin")
     if section is None:
         return  # host code only (e.g. DeepGEMM, which compiles its kernels at run time)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# `make e2e`, on the GPU machine (no network), in two steps (two carries of 64 MiB):
-#   run.sh deps [build/e2e-deps]   unpack the CuTe DSL's compiled part into $DEPS
-#   run.sh [build/e2e-pack] [vllm serve flags...]   everything else, then the tests:
-# unpack what `make e2e-pack` made,
-# install the wheels beside the machine's torch, record the fix manifest with
-# mla-serve itself (`patches apply`, as the image build does), start the sidecar
-# and vLLM (tests/e2e/stack.py), run tests/e2e against them, and write the
-# results (summary.json, junit.xml, logs, /status) to $OUT or tests/e2e/results/.
+# `make e2e`, on the GPU machine (no network), in two steps, each one carry of 64 MiB:
+#   run.sh deps [build/e2e-deps]                   unpack the CuTe DSL's compiled part
+#   run.sh [build/e2e-pack] [vllm serve flags...]  the rest, then the tests
+# The second step unpacks what `make e2e-pack` made, installs the wheels beside the
+# machine's torch, records the fix manifest with mla-serve itself (`patches apply`, as
+# the image build does), starts the sidecar and vLLM (tests/e2e/stack.py), runs
+# tests/e2e against them, and writes the results (summary.json, junit.xml, logs,
+# /status) to $OUT or tests/e2e/results/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEPS=${TMPDIR:-/tmp}/mla-serve-e2e-deps  # outlives the main step's work directory
