@@ -43,11 +43,15 @@ def status_of(url: str, timeout: float = 1.0) -> int | str:
             return int(response.status)
     except urllib.error.HTTPError as error:
         return int(error.code)
-    except (OSError, urllib.error.URLError) as error:
+    except OSError as error:  # URLError (refused, timed out) is one
         return type(getattr(error, "reason", error)).__name__
 
 
-def start(args: argparse.Namespace, work: Path) -> dict[str, object]:
+Engine = subprocess.Popen[bytes]
+
+
+def start(args: argparse.Namespace, work: Path) -> tuple[dict[str, object], Engine]:
+    """Where everything runs (stack.json), and vLLM's process."""
     state_dir, manifest = work / "state", args.vllm_tree / "vllm" / "mla_serve_manifest.json"
     state_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MLA_SERVE_STATE_DIR=str(state_dir), MLA_SERVE_MANIFEST=str(manifest))
@@ -68,7 +72,7 @@ def start(args: argparse.Namespace, work: Path) -> dict[str, object]:
         cwd=work, env=env, stdout=vllm_log.open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the kill test ends all of it
     )  # fmt: skip
-    return {
+    stack: dict[str, object] = {
         "vllm_url": f"http://127.0.0.1:{VLLM_PORT}",
         "sidecar_url": f"http://127.0.0.1:{SIDECAR_PORT}",
         "model": MODEL_NAME,
@@ -80,37 +84,32 @@ def start(args: argparse.Namespace, work: Path) -> dict[str, object]:
         "vllm_tree": str(args.vllm_tree),
         "serve_flags": [*SERVE_FLAGS, *args.extra],
     }
+    return stack, engine
 
 
-def watch(stack: dict[str, object], timeout: float) -> tuple[list[dict[str, object]], str]:
+def watch(
+    stack: dict[str, object], engine: Engine, timeout: float
+) -> tuple[list[dict[str, object]], str]:
     """Poll until the sidecar is ready (and stays so briefly), vLLM dies, or time runs out."""
     timeline: list[dict[str, object]] = []
     began = time.monotonic()
     noted = 0.0
-    engine = int(str(stack["engine_pgid"]))
+    ready_polls = 0
     while time.monotonic() - began < timeout:
         readyz = status_of(f"{stack['sidecar_url']}/readyz")
         health = status_of(f"{stack['vllm_url']}/health")
         now = time.monotonic() - began
         timeline.append({"t": round(now, 3), "readyz": readyz, "health": health})
-        ready = [s for s in timeline if s["readyz"] == 200]
-        if len(ready) >= 8:  # stays ready for a couple of seconds
+        ready_polls += readyz == 200
+        if ready_polls >= 8:  # stays ready for a couple of seconds
             return timeline, "ready"
-        if _exited(engine):
+        if engine.poll() is not None:
             return timeline, "vllm exited"
         if now - noted >= 15:
             noted = now
             print(f"  {now:5.0f} s: /health {health}, /readyz {readyz}", flush=True)
         time.sleep(0.25)
     return timeline, f"not ready after {timeout:.0f} s"
-
-
-def _exited(pid: int) -> bool:
-    try:
-        finished, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return True
-    return finished == pid
 
 
 def stop(stack: dict[str, object]) -> None:
@@ -131,10 +130,10 @@ def main() -> int:
     for name in ("vllm_tree", "model", "work", "results"):  # vLLM runs in another directory
         setattr(args, name, getattr(args, name).resolve())
     args.results.mkdir(parents=True, exist_ok=True)
-    stack = start(args, args.work)
+    stack, engine = start(args, args.work)
     print(f"started the sidecar and vLLM; logs in {args.work}", flush=True)
     try:
-        timeline, outcome = watch(stack, args.timeout)
+        timeline, outcome = watch(stack, engine, args.timeout)
         stack["startup"] = outcome
         (args.work / "timeline.json").write_text(json.dumps(timeline) + "\n")
         stack["timeline"] = str(args.work / "timeline.json")
