@@ -12,12 +12,13 @@ from typing import Any
 
 import openai
 import pytest
+from model import CONFIG, THINK_END_ID
 from scrape import count, samples
 
 MAX_TOKENS = 16
-# Dummy weights may pick EOS (id 1) or `</think>` (id 4095, model.py) greedily: rule them
-# out, so thinking-on output never leaves its reasoning and every reply reaches the cap.
-NEVER = {"1": -100, "4095": -100}
+# Dummy weights may pick EOS or `</think>` greedily: rule them out, so thinking-on output
+# never leaves its reasoning and every reply reaches the cap.
+NEVER = {str(CONFIG["eos_token_id"]): -100, str(THINK_END_ID): -100}
 
 
 @pytest.fixture(scope="module")
