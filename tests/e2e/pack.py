@@ -1,4 +1,4 @@
-"""`make e2e-pack`: everything the end-to-end run needs on the GPU machine, in one carry.
+"""`make e2e-pack`: everything the end-to-end run needs on the GPU machine, in two carries.
 
 build/e2e-pack/
   vllm.tar.xz  the release's tree from its wheel: the Python package, its data,
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import carry  # noqa: E402
 import fatbin  # noqa: E402
+import model  # noqa: E402
 
 from server.patching import wheel  # noqa: E402
 
@@ -55,34 +57,29 @@ EXTENSIONS = (  # loaded on the sparse-MLA path (platform init, FlashMLA, FA3, D
 LEFT_OUT = ("vllm/vllm-rs", "*/__pycache__/*", "vllm/_moe_C*.so")
 
 
-def tree(release: str, archive: Path) -> dict[str, object]:
+def tree(source: Path, archive: Path) -> dict[str, object]:
     """Write the release's tree as a deterministic .tar.xz; what each extension kept."""
-    source = wheel.fetch(release, ROOT / ".cache" / "wheels")
     modules: dict[str, object] = {}
-    raw = archive.with_suffix("")  # the plain tar, compressed below with every core
-    with (
-        zipfile.ZipFile(source) as zipped,
-        tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tar,
-    ):
-        for info in sorted(zipped.infolist(), key=lambda item: item.filename):
-            name = info.filename
-            if info.is_dir() or any(fnmatch.fnmatch(name, pattern) for pattern in LEFT_OUT):
-                continue
-            data = zipped.read(info)
-            if name.endswith(".so"):
-                if not any(fnmatch.fnmatch(name, pattern) for pattern in EXTENSIONS):
+
+    def members() -> Iterator[tuple[str, bytes]]:
+        with zipfile.ZipFile(source) as zipped:
+            for info in sorted(zipped.infolist(), key=lambda item: item.filename):
+                name = info.filename
+                if info.is_dir() or any(fnmatch.fnmatch(name, p) for p in LEFT_OUT):
                     continue
-                data, zeroed = fatbin.prune(data, ARCH)
-                kept = {f"{'cubin' if kind == fatbin.CUBIN else 'ptx'}_{arch}": size
-                        for (kind, arch), size in sorted(fatbin.architectures(data).items())
-                        if arch == ARCH}  # fmt: skip
-                modules[name] = {"bytes": len(data), "zeroed": zeroed, "kept": kept}
-                print(f"  {name}: {len(data) / 2**20:.0f} MiB, {zeroed / 2**20:.0f} MiB zeroed")
-            member = tarfile.TarInfo(name)
-            member.size, member.mode = len(data), 0o755 if name.endswith(".so") else 0o644
-            tar.addfile(member, io.BytesIO(data))
-    print(f"  compressing {raw.stat().st_size / 2**20:.0f} MiB with xz")
-    subprocess.run(["xz", "-9e", "-T0", "-f", str(raw)], check=True)
+                if name.endswith(".so") and not any(fnmatch.fnmatch(name, p) for p in EXTENSIONS):
+                    continue
+                data = zipped.read(info)
+                if name.endswith(".so"):
+                    data, zeroed = fatbin.prune(data, ARCH)
+                    kept = {f"{'cubin' if kind == fatbin.CUBIN else 'ptx'}_{arch}": size
+                            for (kind, arch), size in sorted(fatbin.architectures(data).items())
+                            if arch == ARCH}  # fmt: skip
+                    modules[name] = {"bytes": len(data), "zeroed": zeroed, "kept": kept}
+                    print(f"  {name}: {len(data) >> 20} MiB, {zeroed >> 20} MiB zeroed")
+                yield name, data
+
+    write_archive(members(), archive)
     return {"wheel": source.name, "extensions": modules}
 
 
@@ -112,18 +109,29 @@ def cute_dsl(source: Path, python_part: Path, libraries: Path) -> list[str]:
 
 def site_archive(wheels: list[Path], archive: Path) -> None:
     """The wheels' files as pip lays them out in site-packages, as a deterministic .tar.xz."""
-    raw = archive.with_suffix("")
-    with tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tar:
+
+    def members() -> Iterator[tuple[str, bytes]]:
         for source in wheels:
             with zipfile.ZipFile(source) as zipped:
                 for info in sorted(zipped.infolist(), key=lambda item: item.filename):
-                    if info.is_dir():
-                        continue
-                    member = tarfile.TarInfo(info.filename)
-                    member.size = info.file_size
-                    member.mode = 0o755 if info.filename.endswith(".so") else 0o644
-                    tar.addfile(member, io.BytesIO(zipped.read(info)))
-    print(f"  {archive.name}: compressing {raw.stat().st_size / 2**20:.0f} MiB with xz")
+                    if not info.is_dir():
+                        yield info.filename, zipped.read(info)
+
+    write_archive(members(), archive)
+
+
+def write_archive(members: Iterable[tuple[str, bytes]], archive: Path) -> None:
+    """A .tar.xz of `members` with neither times nor owners, so the same input gives the same bytes.
+
+    xz -9e with every core: about a minute for vLLM's tree, two for the CuTe DSL's libraries.
+    """
+    raw = archive.with_suffix("")
+    with tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            member = tarfile.TarInfo(name)
+            member.size, member.mode = len(data), 0o755 if name.endswith(".so") else 0o644
+            tar.addfile(member, io.BytesIO(data))
+    print(f"  {archive.name}: compressing {raw.stat().st_size >> 20} MiB with xz")
     subprocess.run(["xz", "-9e", "-T0", "-f", str(raw)], check=True)
 
 
@@ -156,16 +164,15 @@ def main() -> int:
         stale.unlink()
     out.mkdir(parents=True, exist_ok=True)
     print(f"vLLM {args.vllm_version}: tree and extension modules (sm_{ARCH} device code only)")
-    built = tree(args.vllm_version, out / "vllm.tar.xz")
-    print("CuTe DSL")
     source = wheel.fetch(args.vllm_version, ROOT / ".cache" / "wheels")
+    built = tree(source, out / "vllm.tar.xz")
+    print("CuTe DSL")
     cute = cute_dsl(source, out / "cute-dsl.tar.xz", args.deps / "cute-dsl-libs.tar.xz")
     print("wheels")
     wheels = carry.wheels(ROOT / "tests" / "e2e" / "wheels.txt", out / "wheels")
     wheels.append(project_wheel(out / "wheels"))
     print("model")
-    subprocess.run([sys.executable, str(ROOT / "tests/e2e/model.py"), "--out", str(out / "model")],
-                   check=True)  # fmt: skip
+    model.write_model(out / "model")
     repository = repository_bytes()
     sizes = {}
     for carried in (out, args.deps):
