@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -19,6 +19,8 @@ import pytest
 
 if TYPE_CHECKING:
     from vllm_standin import StandIn
+
+    from server.sidecar.settings import Settings
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # helpers import as plain modules (trees, vllm_standin…)
@@ -55,6 +57,24 @@ def vllm() -> Iterator[StandIn]:
     standin = StandIn().start()
     yield standin
     standin.stop()
+
+
+@pytest.fixture
+def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
+    """Start sidecars with the given settings on real sockets; returns each one's URL."""
+    from http_server import ServerThread
+
+    from server.sidecar.app import create_app
+
+    servers: list[ServerThread] = []
+
+    def start(settings: Settings) -> str:
+        servers.append(ServerThread(create_app(settings)).start())
+        return servers[-1].url
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from http_server import ServerThread
 from scrape import count
 from vllm_standin import StandIn
 
-from server.sidecar.app import create_app
 from server.sidecar.runaways import Choice
 from server.sidecar.settings import Settings
 
@@ -27,18 +25,11 @@ MODEL = "glm-5.3-flash"
 
 
 @pytest.fixture
-def sidecar(vllm: StandIn) -> Iterator[Callable[..., str]]:
-    servers: list[ServerThread] = []
-
+def sidecar(vllm: StandIn, serve_sidecar: Callable[[Settings], str]) -> Callable[..., str]:
     def start(**overrides: object) -> str:
-        settings = Settings(vllm_url=vllm.url, poll_interval=0.1, **overrides)  # type: ignore[arg-type]
-        server = ServerThread(create_app(settings)).start()
-        servers.append(server)
-        return server.url
+        return serve_sidecar(Settings(vllm_url=vllm.url, poll_interval=0.1, **overrides))  # type: ignore[arg-type]
 
-    yield start
-    for server in servers:
-        server.stop()
+    return start
 
 
 def client(url: str) -> openai.OpenAI:

@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import trees
-from http_server import ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 from scrape import samples
 from vllm_standin import StandIn
 
 from server.patching import catalog, engine, manifest, tree
 from server.plugin import state
-from server.sidecar.app import create_app
 from server.sidecar.settings import Settings
 
 
 @pytest.fixture
-def sidecar(vllm: StandIn, tmp_path: Path) -> Iterator[Callable[..., str]]:
+def sidecar(
+    vllm: StandIn, tmp_path: Path, serve_sidecar: Callable[[Settings], str]
+) -> Callable[..., str]:
     """Start a sidecar in front of the stand-in; returns its URL."""
-    servers: list[ServerThread] = []
 
     def start(**overrides: object) -> str:
         settings = Settings(
@@ -34,13 +33,9 @@ def sidecar(vllm: StandIn, tmp_path: Path) -> Iterator[Callable[..., str]]:
             probe_timeout=0.5,
             **overrides,  # type: ignore[arg-type]
         )
-        server = ServerThread(create_app(settings)).start()
-        servers.append(server)
-        return server.url
+        return serve_sidecar(settings)
 
-    yield start
-    for server in servers:
-        server.stop()
+    return start
 
 
 def wait_for(
