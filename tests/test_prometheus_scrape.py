@@ -6,16 +6,16 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from http_server import ServerThread, free_port
+from http_server import free_port
 from test_sidecar import _plugin_state
 from vllm_standin import StandIn
 
 from server.plugin import state
-from server.sidecar.app import create_app
 from server.sidecar.settings import Settings
 
 
@@ -29,18 +29,19 @@ def _prometheus_binary() -> str:
     return binary
 
 
-def test_prometheus_scrapes_the_sidecar(tmp_path: Path):
+def test_prometheus_scrapes_the_sidecar(
+    tmp_path: Path, vllm: StandIn, serve_sidecar: Callable[[Settings], str]
+):
     binary = _prometheus_binary()
-    vllm = StandIn().start()
     state.write(tmp_path / "state", _plugin_state(0, "FULL_AND_PIECEWISE", None))
     settings = Settings(vllm_url=vllm.url, state_dir=tmp_path / "state", poll_interval=0.2)
-    sidecar = ServerThread(create_app(settings)).start()
+    sidecar = httpx.URL(serve_sidecar(settings))
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n"
         "scrape_configs:\n  - job_name: mla-serve-sidecar\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{sidecar.port}']\n"
+        f"    static_configs:\n      - targets: ['{sidecar.host}:{sidecar.port}']\n"
     )
     prometheus = subprocess.Popen(
         [
@@ -72,5 +73,3 @@ def test_prometheus_scrapes_the_sidecar(tmp_path: Path):
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
-        sidecar.stop()
-        vllm.stop()
