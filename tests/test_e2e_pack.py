@@ -56,3 +56,36 @@ def test_pruning_keeps_sm90_code_and_zeroes_the_rest(module: bytes) -> None:
 def test_a_file_that_is_not_elf_is_refused() -> None:
     with pytest.raises(fatbin.FatbinError):
         fatbin.prune(b"not an ELF file" * 8, 90)
+
+
+def test_profiles_scale_to_two_hopper_gpus() -> None:
+    """Every Helm profile's rendered command line, scaled for `make e2e` on two H200s."""
+    import layouts
+
+    scaled = layouts.layouts(gpus=2)
+    assert set(scaled) >= {"tp1", "gb300-tp4", "b200-tp2-pcp2", "b200-tp1-pcp4-dcp4"}
+    for name, layout in scaled.items():
+        tp, pcp, dcp = (layout["parallel"][axis] for axis in ("tp", "pcp", "dcp"))
+        assert tp * pcp == layout["gpus"] <= 2, name
+        assert tp % dcp == 0, name  # vLLM: DCP divides TP (PCP is gone under DCP)
+        flags = dict(layouts.split(layout["argv"]))
+        assert flags["--tensor-parallel-size"] == str(tp)
+        assert "--served-model-name" not in flags and "--host" not in flags
+        kept = {f for f, _ in layouts.split(layout["chart_argv"][1:])} - set(layouts.REPLACED)
+        kept -= set(layouts.DROPPED) | set(layouts.PARALLEL)
+        assert kept <= set(flags), (name, kept - set(flags))  # every other chart flag survives
+    assert scaled["b200-tp2-pcp2"]["parallel"] == {"tp": 2, "pcp": 1, "dcp": 1}
+    assert scaled["b200-tp1-pcp4-dcp4"]["parallel"] == {"tp": 2, "pcp": 1, "dcp": 2}
+    assert scaled["b200-tp1-pcp4-dcp4"]["heads"] == 32
+    assert "--kv-cache-dtype=fp8_ds_mla" in scaled["b200-tp1-pcp4-dcp4"]["argv"]
+    assert scaled["gb300-tp4"]["parallel"]["tp"] == 2
+    assert layouts.layouts(gpus=4)["gb300-tp4"]["parallel"]["tp"] == 4
+
+
+def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:
+    import layouts
+
+    scaled = layouts.scale("x", ["m", "--tensor-parallel-size=1",
+                                 "--attention-backend=FLASHINFER_MLA_SPARSE"], 1)  # fmt: skip
+    assert "--attention-backend=FLASHINFER_MLA_SPARSE" in scaled["dropped"]
+    assert not any(arg.startswith("--attention-backend") for arg in scaled["argv"])

@@ -174,10 +174,20 @@ def _dump(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_model(out: Path) -> Path:
+def config(heads: int = 64) -> dict[str, Any]:
+    """CONFIG with `heads` attention (and indexer-query) heads.
+
+    32 heads is the decode-context-parallel variant: FlashMLA sparse, the backend vLLM
+    takes under DCP on Hopper (fp8_ds_mla cache), runs its DCP decode path with fewer
+    than 32 heads per rank, i.e. TP2 of 32 heads.
+    """
+    return CONFIG | {"num_attention_heads": heads, "num_key_value_heads": heads}
+
+
+def write_model(out: Path, heads: int = 64) -> Path:
     """Write the model directory `out` (created if missing) and return it."""
     out.mkdir(parents=True, exist_ok=True)
-    _dump(out / "config.json", CONFIG)
+    _dump(out / "config.json", config(heads))
     _dump(out / "tokenizer.json", json.loads(build_tokenizer().to_str()))
     _dump(out / "tokenizer_config.json", tokenizer_config())
     return out
@@ -186,7 +196,9 @@ def write_model(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
-    write_model(parser.parse_args(argv).out)
+    parser.add_argument("--heads", type=int, default=64, help="attention heads (64 or 32)")
+    args = parser.parse_args(argv)
+    write_model(args.out, args.heads)
     return 0
 
 

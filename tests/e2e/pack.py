@@ -1,25 +1,26 @@
-"""`make e2e-pack`: everything the end-to-end run needs on the GPU machine, in two carries.
+"""`make e2e-pack`: everything the end-to-end runs need on the GPU machine, in carries of 64 MiB.
 
-build/e2e-pack/
-  vllm.tar.xz  the release's tree from its wheel: the Python package, its data,
-               DeepGEMM's JIT headers, and the CUDA extension modules the
-               sparse-MLA path loads on Hopper, each pruned to sm_90 device code
-               (fatbin.py). Left out: the Rust frontend binary (opt-in), and the
-               modules of paths this model does not take (FlashAttention-2, MoE,
-               SM100's DeepSelect, FlashKDA, QuTLASS)
-  wheels/      light cp312 wheels of tests/e2e/wheels.txt, and mla-serve's own
-               wheel (its `vllm.general_plugins` entry point loads the plugin)
-  model/       the tiny DeepSeek-V3.2 model (model.py)
-  cute-dsl.tar.xz  the Python part of NVIDIA's CuTe DSL (see below)
-  pack.json    release, sizes, and the device code each module kept
-build/e2e-deps/
-  cute-dsl-libs.tar.xz  the CuTe DSL's compiled MLIR library and runtime
+build/e2e/
+  common/            one carry: light cp312 wheels of tests/e2e/wheels.txt and mla-serve's
+                     own wheel (its `vllm.general_plugins` entry point loads the plugin),
+                     the tiny DeepSeek-V3.2 (model/, and model-h32/ for DCP: model.py),
+                     layouts.json (the Helm profiles' command lines scaled: layouts.py)
+  vllm-<release>/    one carry per release:
+    vllm.tar.xz      the release's tree from its wheel: the Python package, its data,
+                     DeepGEMM's JIT headers, and the CUDA extension modules the
+                     sparse-MLA path loads on Hopper, each pruned to sm_90 device code
+                     (fatbin.py). Left out: the Rust frontend binary (opt-in), and the
+                     modules of paths this model does not take (FlashAttention-2, MoE,
+                     SM100's DeepSelect, FlashKDA, QuTLASS)
+    site.tar.xz      the Python part of the CuTe DSL and quack-kernels, at the release's pins
+    pack.json        release, pins, and the device code each module kept
+  deps-<version>/    one carry per CuTe DSL version: its compiled MLIR library and runtime
 
 vLLM's DeepSeek-V3.2 attention imports the CuTe DSL (the release's pinned
 `nvidia-cutlass-dsl[cu13]`) on every CUDA GPU, also where it then runs Triton
-(Hopper). Its compiled part alone nearly fills a carry (64 MiB with the
-repository), so it travels in the run before the main one: `run.sh deps`
-unpacks it where the main run finds it, while the machine stays warm.
+(Hopper), and its DCP indexer imports quack-kernels. The DSL's compiled part alone
+nearly fills a carry, so it travels on its own: `run.sh unpack` lays each carry
+out in a store that outlives the run while the machine stays warm.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import fnmatch
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -41,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import carry  # noqa: E402
 import fatbin  # noqa: E402
+import layouts  # noqa: E402
 import model  # noqa: E402
 
 from server.patching import wheel  # noqa: E402
@@ -52,7 +55,8 @@ EXTENSIONS = (  # loaded on the sparse-MLA path (platform init, FlashMLA, FA3, D
     "vllm/_flashmla_C*.so",
     "vllm/_flashmla_extension_C*.so",
     "vllm/vllm_flash_attn/_vllm_fa3_C*.so",
-    "vllm/third_party/deep_gemm/_C*.so",
+    "vllm/third_party/deep_gemm/_C*.abi3.so",  # 0.30.0 on: the stable ABI
+    "vllm/third_party/deep_gemm/_C.cpython-312-*.so",  # before: one per Python (this one's)
 )
 LEFT_OUT = ("vllm/vllm-rs", "*/__pycache__/*", "vllm/_moe_C*.so")
 
@@ -72,9 +76,11 @@ def tree(source: Path, archive: Path) -> dict[str, object]:
                 data = zipped.read(info)
                 if name.endswith(".so"):
                     data, zeroed = fatbin.prune(data, ARCH)
-                    kept = {f"{'cubin' if kind == fatbin.CUBIN else 'ptx'}_{arch}": size
-                            for (kind, arch), size in sorted(fatbin.architectures(data).items())
-                            if arch == ARCH}  # fmt: skip
+                    kept = {
+                        f"{'cubin' if kind == fatbin.CUBIN else 'ptx'}_{arch}": size
+                        for (kind, arch), size in sorted(fatbin.architectures(data).items())
+                        if arch == ARCH
+                    }
                     modules[name] = {"bytes": len(data), "zeroed": zeroed, "kept": kept}
                     print(f"  {name}: {len(data) >> 20} MiB, {zeroed >> 20} MiB zeroed")
                 yield name, data
@@ -83,28 +89,51 @@ def tree(source: Path, archive: Path) -> dict[str, object]:
     return {"wheel": source.name, "extensions": modules}
 
 
-def cute_dsl(source: Path, python_part: Path, libraries: Path) -> list[str]:
-    """Unpacked wheels of the CuTe DSL the release pins, in two archives; their names."""
+def pins(source: Path) -> dict[str, str]:
+    """The release's pins of the packages its sparse-MLA path imports beyond the light wheels."""
     with zipfile.ZipFile(source) as zipped:
         metadata = next(n for n in zipped.namelist() if n.endswith(".dist-info/METADATA"))
-        pinned = re.search(r"^Requires-Dist: nvidia-cutlass-dsl\[cu13\]==(\S+)$",
-                           zipped.read(metadata).decode(), re.MULTILINE)  # fmt: skip
-    if pinned is None:
-        return []  # releases before the CuTe DSL
-    version = pinned.group(1)
-    parts = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core")
-    wheels = carry.download(*(f"{name}=={version}" for name in parts))
+        text = zipped.read(metadata).decode()
+    found = {}
+    for name in ("nvidia-cutlass-dsl", "quack-kernels"):
+        pinned = re.search(rf"^Requires-Dist: {name}(?:\[cu13\])?==(\S+)$", text, re.MULTILINE)
+        if pinned:
+            found[name] = pinned.group(1)
+    return found
+
+
+def release_site(pinned: dict[str, str], python_part: Path) -> list[str]:
+    """The CuTe DSL's Python part and quack-kernels at the release's pins, as one archive."""
+    wanted = []
+    if "nvidia-cutlass-dsl" in pinned:
+        version = pinned["nvidia-cutlass-dsl"]
+        wanted += [
+            f"{name}=={version}"
+            for name in (
+                "nvidia-cutlass-dsl",
+                "nvidia-cutlass-dsl-libs-base",
+                "nvidia-cutlass-dsl-libs-core",
+            )
+        ]
+    if "quack-kernels" in pinned:
+        wanted.append(f"quack-kernels=={pinned['quack-kernels']}")
+    wheels = carry.download(*wanted)
     site_archive(wheels, python_part)
+    return sorted(w.name for w in wheels)
+
+
+def cute_dsl_libraries(version: str, libraries: Path) -> str:
+    """The CuTe DSL's compiled part (2 minutes of xz: kept while the wheel is the same)."""
     (compiled,) = carry.download(f"nvidia-cutlass-dsl-libs-cu13=={version}")
     record = libraries.with_suffix(".json")
     if (
         not libraries.is_file()
         or not record.is_file()
         or json.loads(record.read_text()) != [compiled.name]
-    ):  # 2 minutes of xz: kept while the wheel is the same
+    ):
         site_archive([compiled], libraries)
         record.write_text(json.dumps([compiled.name]))
-    return sorted(w.name for w in (*wheels, compiled))
+    return compiled.name
 
 
 def site_archive(wheels: list[Path], archive: Path) -> None:
@@ -145,48 +174,78 @@ def project_wheel(dest: Path) -> Path:
 
 
 def repository_bytes() -> int:
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return sum((ROOT / name).stat().st_size for name in listed if name and (ROOT / name).is_file())
+
+
+def carry_size(folder: Path, repository: int) -> int:
+    return repository + sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vllm-version", default="0.33.0")
-    parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e-pack")
-    parser.add_argument("--deps", type=Path, default=ROOT / "build" / "e2e-deps")
+    parser.add_argument("--releases", nargs="+", default=["0.33.0"])
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e")
+    parser.add_argument("--gpus", type=int, default=2, help="scale the profiles to this many GPUs")
     args = parser.parse_args()
     out: Path = args.out
-    args.deps.mkdir(parents=True, exist_ok=True)
-    for stale in (*out.glob("wheels/*.whl"), *out.glob("*.tar*")):
-        stale.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"vLLM {args.vllm_version}: tree and extension modules (sm_{ARCH} device code only)")
-    source = wheel.fetch(args.vllm_version, ROOT / ".cache" / "wheels")
-    built = tree(source, out / "vllm.tar.xz")
-    print("CuTe DSL")
-    cute = cute_dsl(source, out / "cute-dsl.tar.xz", args.deps / "cute-dsl-libs.tar.xz")
-    print("wheels")
-    wheels = carry.wheels(ROOT / "tests" / "e2e" / "wheels.txt", out / "wheels")
-    wheels.append(project_wheel(out / "wheels"))
-    print("model")
-    model.write_model(out / "model")
+    common = out / "common"
+    shutil.rmtree(common, ignore_errors=True)
+    print("common: wheels, models, layouts")
+    wheels = carry.wheels(ROOT / "tests" / "e2e" / "wheels.txt", common / "wheels")
+    wheels.append(project_wheel(common / "wheels"))
+    model.write_model(common / "model")
+    model.write_model(common / "model-h32", heads=32)
+    (common / "layouts.json").write_text(json.dumps(layouts.layouts(args.gpus), indent=2) + "\n")
     repository = repository_bytes()
-    sizes = {}
-    for carried in (out, args.deps):
-        pack = sum(path.stat().st_size for path in carried.rglob("*") if path.is_file())
-        sizes[carried.name] = pack + repository
-        print(f"pack: {carried} ({pack / 2**20:.1f} MiB; with the repository "
-              f"{(pack + repository) / 2**20:.1f} MiB)")  # fmt: skip
-    (out / "pack.json").write_text(
-        json.dumps(
-            {"vllm_version": args.vllm_version, "arch": f"sm_{ARCH}", **built, "cute_dsl": cute,
-             "wheels": sorted(w.name for w in wheels), "carry_bytes": sizes},
-            indent=2,
-        ) + "\n"
-    )  # fmt: skip
+    sizes = {"common": carry_size(common, repository)}
+    for release in args.releases:
+        folder = out / f"vllm-{release}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        print(f"vLLM {release}: tree and extension modules (sm_{ARCH} device code only)")
+        source = wheel.fetch(release, ROOT / ".cache" / "wheels")
+        built = tree(source, folder / "vllm.tar.xz")
+        pinned = pins(source)
+        site = release_site(pinned, folder / "site.tar.xz")
+        dsl = pinned.get("nvidia-cutlass-dsl")
+        libraries = None
+        if dsl:
+            deps = out / f"deps-{dsl}"
+            deps.mkdir(parents=True, exist_ok=True)
+            libraries = cute_dsl_libraries(dsl, deps / "cute-dsl-libs.tar.xz")
+            sizes[deps.name] = carry_size(deps, repository)
+        (folder / "pack.json").write_text(
+            json.dumps(
+                {
+                    "vllm_version": release,
+                    "arch": f"sm_{ARCH}",
+                    **built,
+                    "pins": pinned,
+                    "cute_dsl_version": dsl,
+                    "site_wheels": site,
+                    "cute_dsl_libraries": libraries,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        sizes[folder.name] = carry_size(folder, repository)
+    (common / "common.json").write_text(
+        json.dumps({"wheels": sorted(w.name for w in wheels), "carry_bytes": sizes}, indent=2)
+        + "\n"
+    )
+    for name, size in sizes.items():
+        print(f"carry {out / name}: {size / 2**20:.1f} MiB with the repository")
     if max(sizes.values()) > CARRY_LIMIT:
         print(f"error: a device run carries at most {CARRY_LIMIT >> 20} MiB", file=sys.stderr)
         return 1

@@ -1,17 +1,16 @@
-"""Write summary.json for an end-to-end run: what ran, on what, and how it went.
+"""Write summary.json for one end-to-end stack: what ran, on what, and how it went.
 
 Reads the stack's files (stack.json, timeline.json, logs), the /status the tests
-kept, the pack's pack.json and pytest's JUnit XML; copies the logs beside them.
+kept and pytest's JUnit XML; copies the logs beside them (tests/e2e/matrix.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
+import re
 import shutil
 import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -35,8 +34,10 @@ def versions() -> dict[str, Any]:
     try:
         found["driver"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as error:
         found["driver"] = f"unavailable: {error}"
     return found
@@ -67,46 +68,85 @@ def startup(timeline: list[dict[str, Any]]) -> dict[str, Any]:
     def first(key: str) -> float | None:
         return next((sample["t"] for sample in timeline if sample[key] == 200), None)
 
-    return {"vllm_health_200_s": first("health"), "sidecar_readyz_200_s": first("readyz"),
-            "polls": len(timeline)}  # fmt: skip
+    return {
+        "vllm_health_200_s": first("health"),
+        "sidecar_readyz_200_s": first("readyz"),
+        "polls": len(timeline),
+    }
 
 
 def _json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--pack", type=Path, required=True)
-    parser.add_argument("--results", type=Path, required=True)
-    args = parser.parse_args()
-    results = args.results
-    stack = _json(args.work / "stack.json") or {}
-    timeline = _json(args.work / "timeline.json") or []
-    for name in ("vllm.log", "sidecar.log", "timeline.json"):
-        if (args.work / name).is_file():
-            shutil.copyfile(args.work / name, results / name)
+ERROR = re.compile(r"(?:\b\w*(?:Error|Exception)\b:.*|GPU<->CPU sync detected.*|error: .*)")
+
+
+def first_error(log: Path) -> str | None:
+    """vLLM's own words for a failure: the first error line of its log, if any."""
+    if not log.is_file():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        found = ERROR.search(line)
+        if found and "DeprecationWarning" not in line:
+            return found.group(0)[:400]
+    return None
+
+
+def write(work: Path, results: Path, stack: dict[str, Any]) -> dict[str, Any]:
+    """One stack's summary.json (and logs beside it); its line for matrix.json."""
+    results.mkdir(parents=True, exist_ok=True)
+    for name in ("vllm.log", "sidecar.log", "timeline.json", "stack.json"):
+        if (work / name).is_file():
+            shutil.copyfile(work / name, results / name)
+    timeline = _json(work / "timeline.json") or []
     status = _json(results / "status.json") or {}
     ranks = status.get("engine", {}).get("ranks", [])
+    outcome = tests(results / "junit.xml")
+    counts = outcome.get("counts", {})
+    up = stack.get("startup") in ("ready", "serving")
+    served = up and counts.get("failed", 1) == 0 and counts.get("passed", 0) > 0
+    error = first_error(work / "vllm.log")
+    verdict = (
+        f"served: {counts.get('passed')} passed, 0 failed"
+        if served
+        else f"failed ({stack.get('startup')}; tests {counts or 'not run'}): {error}"
+    )
     summary = {
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": versions(),
-        "pack": json.loads((args.pack / "pack.json").read_text()),
-        "model": json.loads((args.pack / "model" / "config.json").read_text()),
-        "serve_flags": stack.get("serve_flags"),
+        "stack": {
+            key: stack.get(key)
+            for key in (
+                "name",
+                "release",
+                "state",
+                "gpus",
+                "layout",
+                "serve_argv",
+                "env",
+                "python_paths",
+                "notes",
+                "expect",
+            )
+        },
+        "model": _json(Path(str(stack.get("model_dir", ""))) / "config.json"),
         "startup": {"outcome": stack.get("startup", "the stack did not start")} | startup(timeline),
         "engine": [
             {name: figure["value"] for name, figure in rank["figures"].items()} for rank in ranks
         ],
         "fixes": status.get("fixes"),
         "after_kill": _json(results / "shutdown.json"),
-        "tests": tests(results / "junit.xml"),
+        "first_error_in_vllm_log": error,
+        "tests": outcome,
+        "verdict": verdict,
     }
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({"startup": summary["startup"], "tests": summary["tests"].get("counts")}))
-    return 0 if summary["tests"].get("counts", {}).get("failed", 1) == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    expected = stack.get("expect", "serves")
+    return {
+        "verdict": verdict,
+        "expect": expected,
+        "as_expected": served if expected == "serves" else not served,
+        "ranks": len(ranks),
+        "tests": counts,
+    }

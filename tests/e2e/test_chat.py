@@ -8,8 +8,10 @@ runaway). The sidecar's counters must tell the two apart.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from model import CONFIG, THINK_END_ID
@@ -102,3 +104,31 @@ def test_sidecar_and_vllm_count_the_same_finished_requests(live: dict[str, Any])
         if labels.get("model_name") == model and value
     }
     assert ours and ours == theirs
+
+
+def test_record_vllms_own_streams(live: dict[str, Any], keep: Any) -> None:
+    """vLLM's raw SSE bytes and their arrival times, direct from the engine, kept with the
+    results: the recorded streams the CPU replay benchmark plays back (not stand-in bodies)."""
+    recorded = []
+    for thinking in (False, True):
+        for usage in (False, True):
+            body: dict[str, Any] = {
+                "model": live["model"],
+                "messages": [{"role": "user", "content": "Tell me about sparse attention."}],
+                "max_tokens": 64, "temperature": 0, "logit_bias": NEVER, "stream": True,
+                "chat_template_kwargs": {"thinking": thinking},
+            }  # fmt: skip
+            if usage:
+                body["stream_options"] = {"include_usage": True}
+            began = time.monotonic()
+            chunks: list[list[Any]] = []
+            with httpx.stream("POST", f"{live['vllm_url']}/v1/chat/completions", json=body,
+                              timeout=120) as response:  # fmt: skip
+                assert response.status_code == 200
+                headers = dict(response.headers)
+                for data in response.iter_raw():
+                    chunks.append([round(time.monotonic() - began, 6), data.decode()])
+            text = "".join(chunk for _, chunk in chunks)
+            assert text.rstrip().endswith("data: [DONE]")
+            recorded.append({"request": body, "headers": headers, "chunks": chunks})
+    keep("recorded_streams.json", {"vllm_version": live["release"], "streams": recorded})

@@ -16,6 +16,7 @@ WITHIN_S = 5.0  # poll interval 0.5 s + probe timeout 2 s, with margin
 
 
 @pytest.mark.kills_engine
+@pytest.mark.needs_manifest
 def test_killing_vllm_fails_readyz_and_drops_vllm_up(
     live: dict[str, Any], keep: Callable[[str, Any], None]
 ) -> None:

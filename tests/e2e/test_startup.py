@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 POLL_SLACK_S = 5.0  # the sidecar polls every 0.5 s; readiness may lag /health by a few polls
 
 
+@pytest.mark.needs_manifest
 def test_readyz_turns_ready_only_after_vllm_health(live: dict[str, Any]) -> None:
     timeline = json.loads(Path(live["timeline"]).read_text())
     healthy = [i for i, sample in enumerate(timeline) if sample["health"] == 200]

@@ -1,0 +1,187 @@
+"""The Helm profiles' own `vllm serve` command lines, scaled to the tiny model and the GPUs at hand.
+
+`make e2e-pack` renders every profile with Helm's engine (tests/helm/helm_support.py)
+and writes layouts.json into the pack; tests/e2e/run.sh starts vLLM with those
+arguments. Scaling keeps every flag of the profile except the ones listed below,
+and records each change with its reason, so the results say exactly what ran:
+
+* the model and its name: the tiny DeepSeek-V3.2 (model.py) replaces the profile's;
+  `--reasoning-parser deepseek_v3` is the tiny model's (its template is V3.2's); a tool
+  parser of another model family is dropped;
+* memory: `--gpu-memory-utilization 0.2` and a fixed `--kv-cache-memory-bytes`, because
+  several stacks share the two GPUs (vLLM's free-memory profiling is device-wide, so
+  concurrent start-ups would disturb each other's KV budget); `--max-model-len 4096`,
+  `--max-num-seqs 16` (the tiny model's length; short start-ups);
+* width: `tensor x prefill-context` must fit the GPUs. The prefill-context axis shrinks
+  first (to what fits; to 1 under DCP, as PCP keeps a whole KV copy per rank and DCP is
+  what shards it), then a decode-context size that spanned PCP is carried by TP instead
+  (DCP divides TP), then TP shrinks to the GPUs. On two GPUs: TP1 x PCP4 x DCP4 becomes
+  TP2 x DCP2, TP2 x PCP2 becomes TP2, TP1 x PCP4 becomes PCP2, TP4 becomes TP2;
+* experts: the tiny model has none, so `--enable-expert-parallel` is dropped;
+* Hopper: under DCP vLLM takes FlashMLA sparse, which refuses a bf16 cache there, so
+  `--kv-cache-dtype fp8_ds_mla` and the 32-head model (fewer than 32 heads per rank);
+  a Blackwell-only attention backend would be dropped with vLLM's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED = "tiny-deepseek-v3.2"
+KV_CACHE_BYTES = 4 << 30
+TINY = [
+    "--load-format=dummy",
+    "--max-model-len=4096",
+    "--max-num-seqs=16",
+    "--gpu-memory-utilization=0.2",
+    f"--kv-cache-memory-bytes={KV_CACHE_BYTES}",
+    "--reasoning-parser=deepseek_v3",
+]
+REPLACED = {  # the profile's flag -> why the tiny model's value replaces it
+    "--served-model-name": "the tiny model's name",
+    "--gpu-memory-utilization": "several stacks share the GPUs: a fixed KV cache instead",
+    "--max-model-len": "the tiny model's context",
+    "--max-num-seqs": "short start-ups",
+    "--reasoning-parser": "the tiny model is a DeepSeek-V3.2 (deepseek_v3 parser)",
+    "--host": "the harness binds 127.0.0.1",
+    "--port": "the harness picks the port",
+}
+DROPPED = {
+    "--enable-expert-parallel": "the tiny model has no routed experts",
+    "--tool-call-parser": "the profile's model family's parser; the tiny model calls no tools",
+    "--enable-auto-tool-choice": "goes with the dropped tool parser",
+}
+BLACKWELL_ONLY = {  # attention backends Hopper cannot run, with vLLM's reason
+    "FLASHINFER_MLA_SPARSE": "FlashInfer's sparse MLA (trtllm-gen) runs on SM100 only",
+    "FLASHINFER_MLA": "FlashInfer's trtllm-gen MLA runs on SM100 only",
+    "CUTLASS_MLA": "CUTLASS MLA runs on SM100 only",
+}
+PARALLEL = (
+    "--tensor-parallel-size",
+    "--prefill-context-parallel-size",
+    "--decode-context-parallel-size",
+)
+
+
+def split(argv: list[str]) -> list[tuple[str, str | None]]:
+    """`--flag=value` / `--flag value` / `--flag` pairs (the chart renders `--flag=value`)."""
+    pairs: list[tuple[str, str | None]] = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            pairs.append((name, value if eq else None))
+        elif pairs and pairs[-1][1] is None:
+            pairs[-1] = (pairs[-1][0], arg)
+    return pairs
+
+
+def scale(profile: str, chart_argv: list[str], gpus: int) -> dict[str, Any]:
+    """The tiny-model command line for `chart_argv` on `gpus` Hopper GPUs, and every change."""
+    flags = split(chart_argv[1:])  # [0] is the model
+    sizes = {name: int(value or 1) for name, value in flags if name in PARALLEL}
+    tp, pcp, dcp = (sizes.get(name, 1) for name in PARALLEL)
+    changes: list[str] = []
+    if tp * pcp > gpus and pcp > 1:
+        # PCP shrinks to what fits; with DCP it goes (DCP is then carried by TP, below).
+        fits = 1 if dcp > 1 else max(1, gpus // tp)
+        changes.append(
+            f"prefill-context {pcp} -> {fits}: TP {tp} x PCP {pcp} needs {tp * pcp} GPUs"
+        )
+        pcp = fits
+    if dcp > 1 and (tp % dcp or dcp > gpus):
+        new_dcp = min(dcp, gpus)
+        new_tp = max(tp, new_dcp)
+        changes.append(
+            f"decode-context {dcp} over TP {tp} -> DCP {new_dcp} over TP {new_tp}: "
+            "DCP divides TP once PCP is gone"
+        )
+        tp, dcp = new_tp, new_dcp
+    if tp * pcp > gpus:
+        changes.append(f"tensor {tp} -> {gpus // pcp}: TP {tp} x PCP {pcp} needs {tp * pcp} GPUs")
+        tp = gpus // pcp
+    kept: list[str] = []
+    dropped: dict[str, str] = {}
+    backend = None
+    for name, value in flags:
+        if name in PARALLEL:
+            continue
+        if name in REPLACED:
+            changes.append(f"{name}={value}: {REPLACED[name]}")
+        elif name in DROPPED:
+            dropped[name] = DROPPED[name]
+        elif name == "--attention-backend" and value in BLACKWELL_ONLY:
+            dropped[f"{name}={value}"] = BLACKWELL_ONLY[value]
+        else:
+            backend = value if name == "--attention-backend" else backend
+            kept.append(f"{name}={value}" if value is not None else name)
+    argv = [
+        f"--tensor-parallel-size={tp}",
+        f"--prefill-context-parallel-size={pcp}",
+        f"--decode-context-parallel-size={dcp}",
+        *kept,
+        *TINY,
+    ]
+    heads = 64
+    if dcp > 1:
+        argv.append("--kv-cache-dtype=fp8_ds_mla")
+        changes.append(
+            "--kv-cache-dtype=fp8_ds_mla: FlashMLA sparse under DCP refuses bf16 on SM90"
+        )
+        heads = 32
+        changes.append("the 32-head tiny model: FlashMLA sparse's DCP decode wants < 32 heads/rank")
+    return {
+        "profile": profile,
+        "gpus": tp * pcp,
+        "parallel": {"tp": tp, "pcp": pcp, "dcp": dcp},
+        "heads": heads,
+        "attention_backend": backend,
+        "chart_argv": chart_argv,
+        "argv": argv,
+        "changes": changes,
+        "dropped": dropped,
+    }
+
+
+def rendered() -> dict[str, list[str]]:
+    """Each profile's rendered `vllm serve` arguments (leader pod), from Helm's engine."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "helm")]
+    from helm_support import PROFILES, case_documents, vllm_container
+
+    lines: dict[str, list[str]] = {}
+    for profile in PROFILES:
+        for doc in case_documents(f"profile-{profile}"):
+            if doc["kind"] == "Deployment":
+                pod = doc["spec"]["template"]
+            elif doc["kind"] == "LeaderWorkerSet":
+                pod = doc["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+            else:
+                continue
+            lines[profile] = list(vllm_container(pod["spec"])["args"])
+    return lines
+
+
+def layouts(gpus: int) -> dict[str, dict[str, Any]]:
+    """Every profile scaled to `gpus`, plus `tp1`: the one-GPU layout of the first e2e run."""
+    out = {"tp1": scale("tp1", ["model", "--tensor-parallel-size=1"], 1)}
+    for profile, argv in sorted(rendered().items()):
+        out[profile] = scale(profile, argv, gpus)
+    return out
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.write_text(json.dumps(layouts(args.gpus), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
