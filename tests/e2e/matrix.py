@@ -45,15 +45,14 @@ BINDING_CHECK = "import vllm.third_party.deep_gemm"
 
 
 def site_paths(store: Path, release: str) -> list[str]:
-    """What the release's processes import besides its tree: wheels, CuTe DSL."""
+    """What the release's processes import besides its tree: the CuTe DSL and quack at its
+    pins (one site directory per DSL version), the light wheels."""
     meta = json.loads((store / f"vllm-{release}" / "pack.json").read_text())
-    deps = store / f"deps-{meta['cute_dsl_version']}" / "site"
-    cute = store / f"vllm-{release}" / "site"
+    site = store / f"deps-{meta['cute_dsl_version']}" / "site"
+    # The DSL's .pth adds dsl_packages, but only site directories read .pth files.
     return [
-        str(cute),
-        str(deps),
-        str(deps / "nvidia_cutlass_dsl" / "python_packages"),
-        str(deps / "nvidia_cutlass_dsl" / "dsl_packages"),
+        str(site),
+        str(site / "nvidia_cutlass_dsl" / "dsl_packages"),
         str(store / "common" / "site"),
     ]
 

@@ -18,20 +18,22 @@ case "$verb" in
     for dir in "$@"; do
       name=$(basename "$dir")
       dest="$STORE/$name"
-      rm -rf "$dest" && mkdir -p "$dest"
+      [ "${name#deps-}" != "$name" ] || { rm -rf "$dest" && mkdir -p "$dest"; }
       case "$name" in
         common)
           $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$dest/site" \
             "$dir"/wheels/*.whl || exit 2
           cp -r "$dir"/model* "$dir/layouts.json" "$dest/" || exit 2 ;;
         vllm-*)
-          mkdir -p "$dest/tree" "$dest/site"
+          # The CuTe DSL's Python part and quack go beside its libraries (one package dir).
+          dsl=$($PYTHON -c 'import json,sys; print(json.load(open(sys.argv[1]))["cute_dsl_version"])' "$dir/pack.json")
+          mkdir -p "$dest/tree" "$STORE/deps-$dsl/site"
           tar -xJf "$dir/vllm.tar.xz" -C "$dest/tree" || exit 2
-          tar -xJf "$dir/site.tar.xz" -C "$dest/site" || exit 2
+          tar -xJf "$dir/site.tar.xz" -C "$STORE/deps-$dsl/site" || exit 2
           cp "$dir/pack.json" "$dest/" || exit 2 ;;
         deps-*)
-          mkdir -p "$dest/site"
-          tar -xJf "$dir/cute-dsl-libs.tar.xz" -C "$dest/site" || exit 2 ;;
+          mkdir -p "$STORE/$name/site"
+          tar -xJf "$dir/cute-dsl-libs.tar.xz" -C "$STORE/$name/site" || exit 2 ;;
         *) echo "run.sh: $dir is no carry of 'make e2e-pack'" >&2; exit 2 ;;
       esac
       echo "unpacked $name into $dest: $(du -sh "$dest" | cut -f1)"
