@@ -80,6 +80,6 @@ def world(live: dict[str, Any]) -> int:
 @pytest.fixture(scope="session")
 def status(live: dict[str, Any], keep: Callable[[str, Any], None]) -> dict[str, Any]:
     """The sidecar's /status while the engine serves (kept with the results)."""
-    document = dict(httpx.get(f"{live['sidecar_url']}/status", timeout=10).json())
+    document = dict(httpx.get(f"{live['admin_url']}/status", timeout=10).json())
     keep("status.json", document)
     return document

@@ -79,7 +79,7 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-ERROR = re.compile(r"(?:\b\w*(?:Error|Exception)\b:.*|GPU<->CPU sync detected.*|error: .*)")
+ERROR = re.compile(r"(?:\b\w*(?:Error|Exception)\b:.*|GPU<->CPU sync detected.*)")
 
 
 def first_error(log: Path) -> str | None:

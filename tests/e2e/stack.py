@@ -72,6 +72,11 @@ class Stack:
     def sidecar_url(self) -> str:
         return f"http://127.0.0.1:{8101 + 10 * self.index}"
 
+    @property
+    def admin_url(self) -> str:
+        """/livez, /readyz, /status, /metrics: the pass-through's port in this sidecar."""
+        return self.sidecar_url
+
     def start(self) -> None:
         work, state_dir = self.work, self.work / "state"
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +153,7 @@ class Stack:
             "gpus": self.gpus,
             "vllm_url": self.vllm_url,
             "sidecar_url": self.sidecar_url,
+            "admin_url": self.admin_url,
             "model": MODEL_NAME,
             "model_dir": str(self.model),
             "engine_pgid": self.processes["engine"].pid,
@@ -171,7 +177,7 @@ class Stack:
         outcome = f"not up after {timeout:.0f} s"
         engine = self.processes["engine"]
         while time.monotonic() - began < timeout:
-            readyz = status_of(f"{self.sidecar_url}/readyz")
+            readyz = status_of(f"{self.admin_url}/readyz")
             health = status_of(f"{self.vllm_url}/health")
             now = time.monotonic() - began
             timeline.append({"t": round(now, 3), "readyz": readyz, "health": health})

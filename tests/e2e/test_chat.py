@@ -69,7 +69,7 @@ def test_streaming_chat(client: openai.OpenAI, live: dict[str, Any]) -> None:
 def test_runaways_are_counted_and_truncated_answers_are_not(
     client: openai.OpenAI, live: dict[str, Any]
 ) -> None:
-    url, model = live["sidecar_url"], live["model"]
+    url, model = live["admin_url"], live["model"]
     runaways = count(url, "mla_serve_runaway_completions_total", model=model)
     tokens = count(url, "mla_serve_runaway_tokens_total", model=model)
     truncated = count(url, "mla_serve_completions_total", model=model, finish_reason="length")
@@ -95,7 +95,7 @@ def test_sidecar_and_vllm_count_the_same_finished_requests(live: dict[str, Any])
     model = live["model"]
     ours = {
         labels["finish_reason"]: value
-        for labels, value in samples(live["sidecar_url"])["mla_serve_completions_total"]
+        for labels, value in samples(live["admin_url"])["mla_serve_completions_total"]
         if labels["model"] == model
     }
     theirs = {

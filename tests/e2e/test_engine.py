@@ -163,7 +163,7 @@ def test_attention_workspace_is_the_size_each_rank_locked(
 
 def test_metrics_carry_every_ranks_figures(live: dict[str, Any], status: dict[str, Any]) -> None:
     reported = ranks(status)
-    series = samples(live["sidecar_url"])
+    series = samples(live["admin_url"])
 
     def by_rank(name: str) -> dict[str, Any]:
         return {labels["rank"]: (labels, value) for labels, value in series[name]}
@@ -193,7 +193,7 @@ def test_metrics_carry_every_ranks_figures(live: dict[str, Any], status: dict[st
 
 @pytest.mark.needs_manifest
 def test_ready_and_verified_metrics(live: dict[str, Any]) -> None:
-    series = samples(live["sidecar_url"])
+    series = samples(live["admin_url"])
     assert series["mla_serve_ready"] == [({}, 1.0)]
     assert series["mla_serve_manifest_verified"] == [({}, 1.0)]
 

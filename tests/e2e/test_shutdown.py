@@ -20,7 +20,7 @@ WITHIN_S = 5.0  # poll interval 0.5 s + probe timeout 2 s, with margin
 def test_killing_vllm_fails_readyz_and_drops_vllm_up(
     live: dict[str, Any], keep: Callable[[str, Any], None]
 ) -> None:
-    url = live["sidecar_url"]
+    url = live["admin_url"]
     assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
     os.killpg(int(live["engine_pgid"]), signal.SIGKILL)  # the API server and its engine core
     killed = time.monotonic()
@@ -36,6 +36,8 @@ def test_killing_vllm_fails_readyz_and_drops_vllm_up(
     assert seen.get("vllm_up", 99) <= WITHIN_S, seen
     # Clients get a prompt error from the pass-through, not a hang.
     began = time.monotonic()
-    response = httpx.post(f"{url}/v1/chat/completions", json={"model": live["model"]}, timeout=30)
+    response = httpx.post(
+        f"{live['sidecar_url']}/v1/chat/completions", json={"model": live["model"]}, timeout=30
+    )
     assert response.status_code in (502, 503)
     assert time.monotonic() - began < WITHIN_S
