@@ -88,9 +88,22 @@ def first_error(log: Path) -> str | None:
         return None
     for line in log.read_text(errors="replace").splitlines():
         found = ERROR.search(line)
-        if found and "DeprecationWarning" not in line:
+        if found and " WARNING " not in line and "DeprecationWarning" not in line:
             return found.group(0)[:400]
     return None
+
+
+SYNC = re.compile(r"(\S+\.py):(\d+): UserWarning: called a synchronizing CUDA operation")
+
+
+def sync_warnings(log: Path, tree: str) -> dict[str, int]:
+    """vLLM's GPU<->CPU sync check (warn mode): how often each file:line synchronized."""
+    counts: dict[str, int] = {}
+    if log.is_file():
+        for found in SYNC.finditer(log.read_text(errors="replace")):
+            where = f"{found[1].removeprefix(tree.rstrip('/') + '/')}:{found[2]}"
+            counts[where] = counts.get(where, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def write(work: Path, results: Path, stack: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +151,7 @@ def write(work: Path, results: Path, stack: dict[str, Any]) -> dict[str, Any]:
         "fixes": status.get("fixes"),
         "after_kill": _json(results / "shutdown.json"),
         "first_error_in_vllm_log": error,
+        "gpu_sync_warnings": sync_warnings(work / "vllm.log", str(stack.get("vllm_tree", ""))),
         "tests": outcome,
         "verdict": verdict,
     }

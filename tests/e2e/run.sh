@@ -48,6 +48,7 @@ RESULTS=tests/e2e/results/run
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD:$STORE/common/site"
 export PYTHONUNBUFFERED=1
+ulimit -n "$(ulimit -Hn)" 2>/dev/null  # vLLM asks for more descriptors than the default
 # The commands the image puts on PATH, for the image's own entrypoint.
 BIN="$STORE/bin" && mkdir -p "$BIN"
 printf '#!/bin/sh\nexec %s -m vllm.entrypoints.cli.main "$@"\n' "$PYTHON" > "$BIN/vllm"
