@@ -25,6 +25,7 @@ class Choice:
     visible: bool = False  # any non-whitespace content (chat) or text (completions)
     tool_calls: bool = False
     finish_reason: str | None = None
+    loop: bool = False  # the loop guard (loops.py) confirmed an exact loop in its text
 
     def add_delta(self, delta: dict[str, Any]) -> None:
         content = delta.get("content")
@@ -36,6 +37,11 @@ class Choice:
     @property
     def runaway(self) -> bool:
         return self.finish_reason == "length" and not self.visible and not self.tool_calls
+
+    @property
+    def cause(self) -> str:
+        """Why a runaway ran away: a confirmed loop, or reasoning that never ended."""
+        return "loop" if self.loop else "long_reasoning"
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,14 @@ class Ledger:
             ["model"],
             registry=registry,
         )
+        # A label on runaway_completions_total would change the series alerts, dashboards and
+        # tests already select by {model}: the split is a counter of its own.
+        self.runaway_causes = Counter(
+            f"{prefix}runaways_by_cause",
+            "Runaways by cause: loop (the guard confirmed a loop) or long_reasoning.",
+            ["model", "cause"],
+            registry=registry,
+        )
         self.runaway_tokens = Counter(
             f"{prefix}runaway_tokens",
             "Completion tokens spent by runaway responses.",
@@ -141,6 +155,7 @@ class Ledger:
             if choice.runaway:
                 runaways += 1
                 self.runaways.labels(model).inc()
+                self.runaway_causes.labels(model, choice.cause).inc()
         if runaways:
             tokens = completion.usage.completion_tokens
             if tokens:
