@@ -80,12 +80,12 @@ def _fill(prefix: str, unit: str, total: int) -> str:
 
 LOOPS: dict[str, tuple[str, str]] = {  # name -> (channel, text)
     "paragraph": ("reasoning", _fill(REASONING_PREFIX, PARAGRAPH, 24000)),
-    "long_paragraph": ("reasoning", _fill(REASONING_PREFIX, LONG_UNIT, 16000)),
-    "phrase": ("reasoning", _fill(REASONING_PREFIX, PHRASE, 12000)),
-    "single_token": ("reasoning", _fill(REASONING_PREFIX, " the", 8000)),
-    "content_sentence": ("content", _fill(ANSWER_PREFIX, CLOSING, 12000)),
-    "content_code_line": ("content", _fill(CODE_PREFIX, CODE_LINE, 12000)),
-    "newlines": ("content", _fill(ANSWER_PREFIX, "\n", 6000)),
+    "long_paragraph": ("reasoning", _fill(REASONING_PREFIX, LONG_UNIT, 24000)),
+    "phrase": ("reasoning", _fill(REASONING_PREFIX, PHRASE, 24000)),
+    "single_token": ("reasoning", _fill(REASONING_PREFIX, " the", 24000)),
+    "content_sentence": ("content", _fill(ANSWER_PREFIX, CLOSING, 24000)),
+    "content_code_line": ("content", _fill(CODE_PREFIX, CODE_LINE, 24000)),
+    "newlines": ("content", _fill(ANSWER_PREFIX, "\n", 24000)),
 }
 
 
@@ -206,7 +206,7 @@ def song_with_refrain() -> str:
         "and the cache holds on to what we say.\n\n"
     )
     verses = [
-        "We captured shapes when the batch was small,\nand thought that one size fits them all.\n\n",
+        "We captured shapes when the batch was small,\nand thought one size fit them all.\n\n",
         "The indexer scored what it should not skip,\nuntil a patch fixed the faulty slip.\n\n",
         "Now long prompts come and the answers too,\nthe runaway's gone and the sky is blue.\n\n",
         "So page the team when the loops come back,\nand read the runbook to get on track.\n\n",

@@ -41,7 +41,7 @@ def first_detection(text: str, sizes: tuple[int, ...], config: LoopConfig = DEFA
 @pytest.mark.parametrize("sizes", CHUNKINGS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("name", sorted(LOOPS))
 def test_every_loop_shape_is_caught_soon(name: str, sizes: tuple[int, ...]) -> None:
-    channel, text = LOOPS[name]
+    _, text = LOOPS[name]
     hit = first_detection(text, sizes)
     assert hit is not None, f"{name} was not caught"
     fed, (period, repeats) = hit
@@ -69,7 +69,7 @@ def test_the_detected_period_is_the_unit(name: str) -> None:
 @pytest.mark.parametrize("sizes", CHUNKINGS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("name", sorted(LEGIT))
 def test_legitimate_repetition_is_never_a_loop(name: str, sizes: tuple[int, ...]) -> None:
-    channel, text = LEGIT[name]
+    _, text = LEGIT[name]
     assert first_detection(text, sizes) is None, f"false positive on {name}"
     assert TailDetector(DEFAULT).feed_all(text) is None
 

@@ -85,7 +85,7 @@ class Loop:
 class TailDetector:
     """Exact periodic repetition at the end of a growing text (one channel of one choice)."""
 
-    __slots__ = ("config", "tail", "pieces", "fresh")
+    __slots__ = ("config", "fresh", "pieces", "tail")
 
     def __init__(self, config: LoopConfig) -> None:
         self.config = config
