@@ -344,23 +344,11 @@ class ResponseGuard:
     # -- whole responses -------------------------------------------------------------------
     def add_body(self, body: dict[str, Any]) -> None:
         """A non-streamed response: check each choice's final reasoning and content."""
-        for raw in body.get("choices") or ():
-            if not isinstance(raw, dict) or not isinstance(raw.get("index", 0), int):
-                continue
-            watch = self.watches.setdefault(raw.get("index", 0), _Watch(TailDetector(self.config)))
+        for index, loop in final_loops(body, self.config).items():
+            watch = self.watches.setdefault(index, _Watch(TailDetector(self.config)))
             watch.finished = True
-            message = raw.get("message")
-            parts = (
-                (("reasoning", message.get("reasoning")), ("content", message.get("content")))
-                if isinstance(message, dict)
-                else (("text", raw.get("text")),)
-            )
-            for channel, text in parts:
-                if watch.loop is None and isinstance(text, str) and text:
-                    found = TailDetector(self.config).feed_all(text)
-                    if found is not None:
-                        watch.loop = Loop(found[0], found[1], channel, None)
-                        self.metrics.loops.labels(self.model or "unknown", channel).inc()
+            watch.loop = loop
+            self.metrics.loops.labels(self.model or "unknown", loop.channel).inc()
 
     # -- the runaway classifier ------------------------------------------------------------
     def settle(self, completion: Completion) -> None:
@@ -376,6 +364,28 @@ class ResponseGuard:
         if self.stopped and completion.usage.completion_tokens is None:
             tokens = sum(watch.tokens for watch in self.watches.values())
             completion.usage = Usage(None, tokens, None)
+
+
+def final_loops(body: Mapping[str, Any], config: LoopConfig) -> dict[int, Loop]:
+    """The choices of a whole (non-streamed) response whose final text ends in a loop: the
+    loop ran to the end. Reasoning is checked, then content (or a completion's text)."""
+    found: dict[int, Loop] = {}
+    for raw in body.get("choices") or ():
+        if not isinstance(raw, dict) or not isinstance(raw.get("index", 0), int):
+            continue
+        message = raw.get("message")
+        parts = (
+            (("reasoning", message.get("reasoning")), ("content", message.get("content")))
+            if isinstance(message, dict)
+            else (("text", raw.get("text")),)
+        )
+        for channel, text in parts:
+            if isinstance(text, str) and text:
+                hit = TailDetector(config).feed_all(text)
+                if hit is not None:
+                    found[raw.get("index", 0)] = Loop(hit[0], hit[1], channel, None)
+                    break
+    return found
 
 
 class LoopGuard:

@@ -112,6 +112,7 @@ class Runaway:
     completion_tokens: int | None
     reasoning_tokens: int | None
     at: float
+    cause: str = "long_reasoning"  # "loop" when the loop guard saw a runaway choice loop
 
 
 class Ledger:
@@ -150,12 +151,14 @@ class Ledger:
         """Count every finished choice; return how many were runaways."""
         model = completion.model or fallback_model or "unknown"
         runaways = 0
+        looped = False
         for choice in completion.choices.values():
             self.completions.labels(model, choice.finish_reason or "error").inc()
             if choice.runaway:
                 runaways += 1
                 self.runaways.labels(model).inc()
                 self.runaway_causes.labels(model, choice.cause).inc()
+                looped = looped or choice.loop
         if runaways:
             tokens = completion.usage.completion_tokens
             if tokens:
@@ -169,6 +172,7 @@ class Ledger:
                     usage.completion_tokens,
                     usage.reasoning_tokens,
                     time.time(),
+                    "loop" if looped else "long_reasoning",
                 )
             )
         return runaways
