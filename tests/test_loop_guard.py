@@ -189,6 +189,8 @@ def test_non_streamed_loops_are_counted_from_the_final_text(vllm, sidecar, actio
     plain = chat(url, "[runaway] think", max_tokens=64)  # long reasoning, no loop
     assert plain.choices[0].finish_reason == "length"
     assert count(url, "mla_serve_runaways_by_cause_total", model=MODEL, cause="long_reasoning") == 1
+    recent = httpx.get(f"{url}/status").json()["runaways"]["recent"]
+    assert [runaway["cause"] for runaway in recent] == ["long_reasoning", "loop"]
     legit = chat(url, "[legit:long_reasoning] go", max_tokens=MAX_TOKENS)
     assert legit.choices[0].finish_reason == "stop"
     assert count(url, "mla_serve_reasoning_loops_total", model=MODEL, channel="reasoning") == 1
