@@ -15,8 +15,8 @@ block or a few identical code lines never do.
 
 Cost, per choice: the text is kept as a rolling tail of at most 2 x `window_chars`
 characters, and every `check_every` characters one check runs: the last `probe_chars`
-characters are searched for earlier in the tail (`str.rfind`, in C); each earlier
-occurrence at distance d <= max period is a candidate period, verified with one slice
+characters are searched for in the max period before them (`str.rfind`, in C); each
+earlier occurrence at distance d is a candidate period, verified with one slice
 comparison (C as well). At most `max_candidates` candidates per check. A periodic tail
 always has its probe again at distance p, so no loop is missed; ordinary text rarely has a
 32-character string twice, so most checks end after one search.
@@ -52,7 +52,7 @@ class LoopConfig:
     min_repeats: int = 4  # k: the repeated unit appears at least this many times in a row
     window_chars: int = 4096  # tail kept per choice; the longest period is window // k
     min_chars: int = 1024  # the periodic tail covers at least this many characters
-    check_every: int = 16  # characters between two checks (detection delay, at most)
+    check_every: int = 32  # characters between two checks (detection delay, at most)
     probe_chars: int = 32  # suffix searched for earlier in the tail
     max_candidates: int = 8  # candidate periods verified per check
 
@@ -120,13 +120,12 @@ class TailDetector:
         probe_size = config.probe_chars
         probe = tail[-probe_size:]
         end = size - 1  # occurrences that end before the last character
+        first = max(size - probe_size - config.max_period, 0)  # nothing farther can be a period
         for _ in range(config.max_candidates):
-            start = tail.rfind(probe, 0, end)
+            start = tail.rfind(probe, first, end)
             if start < 0:
                 return None
             period = size - probe_size - start
-            if period > config.max_period:
-                return None
             span = max(config.min_repeats * period, config.min_chars)
             if span > size:
                 return None  # a long period that has not repeated often enough yet
@@ -269,14 +268,21 @@ class ResponseGuard:
             if watch is None:
                 watch = self.watches[index] = _Watch(TailDetector(self.config))
             delta = raw.get("delta")
-            if isinstance(delta, dict):
+            if delta.__class__ is dict:
                 if "role" not in delta:  # vLLM's first chunk per choice carries no token
                     watch.tokens += 1
-                self._feed(watch, "reasoning", delta.get("reasoning"))
-                self._feed(watch, "content", delta.get("content"))
+                if watch.loop is None:  # a confirmed loop needs no more looking at
+                    text = delta.get("reasoning")
+                    if text:
+                        self._feed(watch, "reasoning", text)
+                    text = delta.get("content")
+                    if text:
+                        self._feed(watch, "content", text)
             else:
                 watch.tokens += 1
-                self._feed(watch, "text", raw.get("text"))
+                text = raw.get("text")
+                if text and watch.loop is None:
+                    self._feed(watch, "text", text)
             if raw.get("finish_reason"):
                 watch.finished = True
         if self.looping and self.action == "stop" and self._all_looping():
@@ -284,7 +290,7 @@ class ResponseGuard:
         return self.stopped
 
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
-        if not isinstance(text, str) or not text or watch.loop is not None:
+        if text.__class__ is not str or watch.loop is not None:
             return
         if channel != watch.channel:  # a new channel is progress: start over
             watch.channel = channel
