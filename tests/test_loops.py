@@ -180,3 +180,24 @@ def test_vllm_defaults_are_set_only_where_missing() -> None:
     assert not policy.apply_defaults(own)
     assert own["thinking_token_budget"] == 10
     assert not LoopPolicy().apply_defaults({"model": "m"})
+
+
+def test_odd_chunks_are_ignored_not_fatal() -> None:
+    """Whatever shape a chunk has, the guard neither raises nor counts text that is not text."""
+    metrics = LoopMetrics(CollectorRegistry())
+    guard = LoopPolicy(action="stop").watch({"max_tokens": 10}, "m", metrics, chat=True)
+    assert guard is not None
+    odd: list[dict[str, object]] = [
+        {"choices": None},
+        {"choices": "abc"},
+        {"choices": [None, 3, "x"]},
+        {"choices": [{"index": "0", "delta": {"reasoning": "x"}}]},
+        {"choices": [{"index": 0, "delta": ["reasoning"]}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": {"a": 1}, "content": 5}}]},
+        {"choices": [{"index": 1, "text": ["t"]}]},
+        {"id": None, "choices": [{"index": 2**40, "delta": {}}]},
+    ]
+    for chunk in odd:
+        assert guard.add_chunk(chunk) is False
+    assert all(watch.detector.tail == "" for watch in guard.watches.values())
+    assert all(not watch.detector.pieces for watch in guard.watches.values())
