@@ -125,7 +125,14 @@ def process_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "loadgen": str(LOADGEN.relative_to(ROOT)),
         },
         "rounds": rounds,
-        "cpu_ms_per_1000_chunks": {k: round(v, 3) for k, v in per.items()},
+        "cpu_ms_per_1000_chunks": {k: round(v, 3) for k, v in per.items()},  # medians
+        "range_ms_per_1000_chunks": {
+            action: [
+                min(r["cpu_ms_per_1000_chunks"] for r in found),
+                max(r["cpu_ms_per_1000_chunks"] for r in found),
+            ]
+            for action, found in rounds.items()
+        },
         "growth": round(per["observe"] / per["off"] - 1, 4),
         "failed_streams": sum(r["streams_failed"] for found in rounds.values() for r in found),
     }
