@@ -47,7 +47,7 @@ TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """What counts as a loop. The defaults gave zero false positives on tests/fixtures/loops."""
+    """What counts as a loop. The defaults: zero false positives on tests/loop_corpus.py."""
 
     min_repeats: int = 4  # k: the repeated unit appears at least this many times in a row
     window_chars: int = 4096  # tail kept per choice; the longest period is window // k
