@@ -102,7 +102,9 @@ def test_stop_ends_the_stream_early_aborts_upstream_and_counts_the_tokens_saved(
         time.sleep(0.02)
     assert vllm.behaviour.streams_cancelled == 1
     generated = vllm.behaviour.generated_tokens
-    assert emitted <= generated <= emitted + 64  # in flight when the connection closed
+    # What the stand-in produced after the confirming chunk, before it saw the close (a bound
+    # loose enough for a loaded machine, far below the 3000 tokens of observe mode).
+    assert emitted <= generated <= emitted + MAX_TOKENS // 10
     # The stopped choice still counts as a runaway (no visible answer), caused by a loop.
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 1
     assert count(url, "mla_serve_runaways_by_cause_total", model=MODEL, cause="loop") == 1
@@ -129,7 +131,7 @@ def test_observe_and_stop_differ_by_the_tokens_saved_on_vllms_own_counter(vllm, 
     saved = count(stop, "mla_serve_loop_tokens_saved_total", model=MODEL)
     assert in_observe == len(prompts) * MAX_TOKENS
     assert saved > 0.8 * in_observe
-    assert 0 <= saved - (in_observe - in_stop) <= 64 * len(prompts)
+    assert 0 <= saved - (in_observe - in_stop) <= 0.1 * saved  # tokens in flight at the close
 
 
 def test_stop_with_usage_asked_ends_with_usage_then_done(vllm, sidecar):
