@@ -200,7 +200,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--hot-path-repeat", type=int, default=5)
     args = parser.parse_args()
     report: dict[str, Any] = {
