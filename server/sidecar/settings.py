@@ -7,8 +7,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from server.sidecar.loops import ACTIONS, LoopConfig, LoopPolicy
+if TYPE_CHECKING:  # the guard (and prometheus_client) load when the sidecar starts, not per CLI
+    from server.sidecar.loops import LoopPolicy
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,8 @@ REPETITION_KEYS = ("max_pattern_size", "min_pattern_size", "min_count")
 
 
 def _loop_policy(settings: Settings) -> LoopPolicy:
+    from server.sidecar.loops import ACTIONS, LoopConfig, LoopPolicy
+
     def action(value: str, where: str) -> str:
         if value not in ACTIONS:
             raise SettingsError(f"{where} must be one of {', '.join(ACTIONS)}, got {value!r}")
