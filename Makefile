@@ -76,6 +76,7 @@ bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/b
 	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
 	$(BIN)/python tests/bench/bench_sidecar.py --out build/bench/sidecar.json
 	$(BIN)/python tests/bench/bench_passthrough.py --out build/bench/passthrough.json
+	$(BIN)/python tests/bench/bench_loops.py --out build/bench/loops.json
 
 gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into build/gpu-pack
 	$(BIN)/python tests/gpu/pack.py --out build/gpu-pack

@@ -8,7 +8,10 @@ as vLLM does, `data: [DONE]` last) or not, with `reasoning` in the message or de
 and `usage.completion_tokens_details.reasoning_tokens` as with a reasoning parser.
 Tests steer it through `behaviour`; a request's outcome is chosen by its last
 user message: "[runaway]", "[tools]", "[error]", "[stall]" (no headers), "[hang]"
-(headers, then silence), else a normal answer. A real vLLM needs a GPU; this
+(headers, then silence), "[loop:NAME]" / "[legit:NAME]" (a text of the loop guard's corpus,
+tests/loop_corpus.py, in its channel, 4 characters a token, cut at max_tokens), else a
+normal answer. `/metrics` counts the tokens it generated as vLLM's
+`vllm:generation_tokens_total` does. A real vLLM needs a GPU; this
 runs anywhere and can fail on purpose.
 """
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from http_server import ServerThread
+from loop_corpus import LEGIT, LOOPS
+from loop_corpus import stream as tokenize
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
@@ -44,6 +49,7 @@ class Behaviour:
     answer_tokens: int = 5  # tokens of a normal answer (after 3 reasoning tokens)
     streams_started: int = 0
     streams_cancelled: int = 0  # streams whose client went away before the end
+    generated_tokens: int = 0  # completion tokens produced (streamed: as they are sent)
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
     headers: list[dict[str, str]] = field(default_factory=list)  # their headers
 
@@ -95,6 +101,9 @@ vllm:num_requests_waiting{{model_name="{model}",engine="0"}} 0.0
 # TYPE vllm:request_success_total counter
 vllm:request_success_total{{model_name="{model}",engine="0",finished_reason="length"}} 0.0
 vllm:request_success_total{{model_name="{model}",engine="0",finished_reason="stop"}} 0.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{model_name="{model}",engine="0"}} {generated:.1f}
 """
 
 
@@ -140,7 +149,8 @@ class StandIn:
 
     async def _metrics(self, request: Request) -> Response:
         model = self.behaviour.models[0] if self.behaviour.models else "none"
-        return PlainTextResponse(VLLM_METRICS.format(model=model))
+        generated = self.behaviour.generated_tokens
+        return PlainTextResponse(VLLM_METRICS.format(model=model, generated=generated))
 
     async def _chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
@@ -171,6 +181,7 @@ class StandIn:
         script = Script(outcome, body, chat, self.behaviour.answer_tokens)
         if body.get("stream"):
             return StreamingResponse(self._stream(script), media_type="text/event-stream")
+        self.behaviour.generated_tokens += script.tokens
         return JSONResponse(script.whole())
 
     async def _stream(self, script: Script) -> AsyncIterator[str]:
@@ -180,6 +191,8 @@ class StandIn:
             for chunk in script.chunks():
                 if chunk is HANG:
                     await asyncio.sleep(3600)
+                if _carries_token(chunk):
+                    self.behaviour.generated_tokens += 1  # one token per chunk, as vLLM streams
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
                 if self.behaviour.token_delay:
                     await asyncio.sleep(self.behaviour.token_delay)
@@ -220,6 +233,17 @@ class XRequestIdMiddleware:
 HANG: dict[str, Any] = {}  # a stream marker: stop sending, keep the connection open
 
 
+def _carries_token(chunk: dict[str, Any]) -> bool:
+    """A chunk with generated text or a tool call (not the role chunk, not the empty end)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("reasoning") or delta.get("content"):
+            return True
+        if delta.get("tool_calls"):
+            return True
+    return False
+
+
 def _outcome(body: dict[str, Any], chat: bool) -> str:
     if chat:
         messages = body.get("messages") or [{}]
@@ -229,6 +253,10 @@ def _outcome(body: dict[str, Any], chat: bool) -> str:
     for outcome in ("runaway", "tools", "error", "stall", "hang"):
         if text.startswith(f"[{outcome}]"):
             return outcome
+    for kind, corpus in (("loop", LOOPS), ("legit", LEGIT)):
+        name = text[len(kind) + 2 : text.find("]")]
+        if text.startswith(f"[{kind}:") and name in corpus:
+            return f"{kind}:{name}"
     return "answer"
 
 
@@ -247,7 +275,16 @@ class Script:
         self.created = int(time.time())
         self.model = str(self.body.get("model", "glm-5.3-flash"))
         max_tokens = int(self.body.get("max_tokens") or 16)
-        if self.outcome == "runaway":  # thinks until the cap, never answers
+        if ":" in self.outcome:  # a corpus text, in its channel, cut at max_tokens
+            kind, name = self.outcome.split(":")
+            channel, text = (LOOPS if kind == "loop" else LEGIT)[name]
+            tokens = list(tokenize(text, (4,)))
+            self.finish = "length" if len(tokens) > max_tokens else "stop"
+            tokens = tokens[:max_tokens]
+            in_reasoning = channel == "reasoning" and self.chat
+            self.reasoning = tokens if in_reasoning else []
+            self.visible = [] if in_reasoning else tokens
+        elif self.outcome == "runaway":  # thinks until the cap, never answers
             self.reasoning = [f"think{i} " for i in range(max_tokens)]
             self.visible: list[str] = []
             self.finish = "length"
@@ -257,14 +294,18 @@ class Script:
                 [] if self.outcome == "tools" else [f"word{i} " for i in range(self.answer_tokens)]
             )
             self.finish = "tool_calls" if self.outcome == "tools" else "stop"
-        if not self.chat:  # completions have no reasoning channel
+        if not self.chat and ":" not in self.outcome:  # completions have no reasoning channel
             self.visible, self.reasoning = self.visible or [], []
             if self.outcome == "runaway":
                 self.visible = ["  " for _ in range(max_tokens)]
 
+    @property
+    def tokens(self) -> int:
+        return len(self.reasoning) + len(self.visible) + (8 if self.outcome == "tools" else 0)
+
     def usage(self, whole: bool = False) -> dict[str, Any]:
         """Streamed usage leaves unset fields out; whole responses carry them all."""
-        completion = len(self.reasoning) + len(self.visible) + (8 if self.outcome == "tools" else 0)
+        completion = self.tokens
         usage: dict[str, Any] = {
             "prompt_tokens": 12,
             "total_tokens": 12 + completion,

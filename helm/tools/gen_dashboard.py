@@ -212,6 +212,82 @@ def dashboard() -> dict[str, Any]:
         ),
         w=12,
     )
+    lay.row("Reasoning loops (runaway guard)")
+    lay.add(
+        timeseries(
+            "Loops confirmed",
+            "Choices whose streamed text became an exact loop (sidecar.loopGuard), by model and "
+            "channel, counted when confirmed: long before the request reaches max_tokens. Alert "
+            "MlaServeReasoningLoops.",
+            [
+                target(
+                    f"sum by (model, channel) (increase(mla_serve_reasoning_loops_total{{{SEL}}}"
+                    f"[{RATE}]))",
+                    "{{model}} {{channel}}",
+                )
+            ],
+            "short",
+        ),
+        w=8,
+    )
+    lay.add(
+        timeseries(
+            "Tokens saved by stopping loops",
+            "max_tokens minus the tokens emitted, for each loop the guard stopped (action stop); "
+            "stopped choices per second on the right.",
+            [
+                target(
+                    f"sum by (model) (rate(mla_serve_loop_tokens_saved_total{{{SEL}}}[{RATE}]))",
+                    "tokens/s saved {{model}}",
+                ),
+                target(
+                    f"sum by (model) (rate(mla_serve_loop_stops_total{{{SEL}}}[{RATE}]))",
+                    "stops/s {{model}}",
+                    ref="B",
+                ),
+            ],
+            "short",
+        ),
+        w=8,
+    )
+    lay.add(
+        timeseries(
+            "Runaways by cause",
+            "Length-cap runaways split: loop (the guard saw an exact loop) or long_reasoning "
+            "(reasoning that never ended without repeating itself).",
+            [
+                target(
+                    f"sum by (cause) (increase(mla_serve_runaways_by_cause_total{{{SEL}}}"
+                    f"[{RATE}]))",
+                    "{{cause}}",
+                )
+            ],
+            "short",
+        ),
+        w=8,
+    )
+    lay.add(
+        timeseries(
+            "Tokens emitted before a loop was confirmed",
+            "Median and 95th percentile of the tokens a choice had streamed when its loop was "
+            "confirmed: how early the guard acts.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(mla_serve_loop_detection_tokens_bucket{{{SEL}}}[{RATE}])))",
+                    "p50",
+                ),
+                target(
+                    "histogram_quantile(0.95, sum by (le) "
+                    f"(rate(mla_serve_loop_detection_tokens_bucket{{{SEL}}}[{RATE}])))",
+                    "p95",
+                    ref="B",
+                ),
+            ],
+            "short",
+        ),
+        w=24,
+    )
 
     lay.row("Engine and fixes")
     lay.add(

@@ -57,6 +57,9 @@ KV_CACHE_DTYPES = [
 
 Schema = dict[str, Any]
 
+# The sidecar's --loop-action values (server/sidecar/loops.py ACTIONS).
+LOOP_ACTIONS = ["off", "observe", "stop"]
+
 
 def obj(properties: dict[str, Schema], required: list[str] | None = None, **extra: Any) -> Schema:
     out: Schema = {"type": "object", "additionalProperties": False, "properties": properties}
@@ -341,6 +344,30 @@ def schema() -> Schema:
                             "prompt": string(),
                         }
                     ),
+                    "loopGuard": obj(
+                        {
+                            "action": {"enum": LOOP_ACTIONS},
+                            "modelActions": {
+                                "type": "object",
+                                "additionalProperties": {"enum": LOOP_ACTIONS},
+                            },
+                            "minRepeats": integer(2),
+                            "windowChars": integer(64),
+                            "minChars": integer(33),
+                            "vllmDefaults": obj(
+                                {
+                                    "repetitionDetection": obj(
+                                        {
+                                            "maxPatternSize": integer(0),
+                                            "minPatternSize": integer(0),
+                                            "minCount": integer(0),
+                                        }
+                                    ),
+                                    "thinkingTokenBudget": nullable(integer(0)),
+                                }
+                            ),
+                        }
+                    ),
                     "env": ENV_LIST,
                     "resources": RESOURCES,
                 }
@@ -442,6 +469,14 @@ def schema() -> Schema:
                                         "maximum": 1,
                                     },
                                     "minCompletions": integer(1),
+                                    "for": DURATION,
+                                }
+                            ),
+                            "reasoningLoops": obj(
+                                {
+                                    "window": DURATION,
+                                    "minLoops": integer(1),
+                                    "ratio": {"type": "number", "minimum": 0},
                                     "for": DURATION,
                                 }
                             ),

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from server import __version__
 from server.sidecar import engine, fixes, health, status
 from server.sidecar.canary import Canary
+from server.sidecar.loops import LoopGuard
 from server.sidecar.metrics import SidecarCollector, View
 from server.sidecar.proxy import Proxy, ProxySettings, Receive, Scope, Send
 from server.sidecar.runaways import Ledger
@@ -38,6 +39,7 @@ class Sidecar:
         registry = CollectorRegistry()
         monitor = VllmMonitor(settings.probe_timeout, settings.poll_interval)
         ledger = Ledger(registry, "mla_serve_")
+        loops = LoopGuard(settings.loop_policy(), registry)
         proxy = Proxy(
             ProxySettings(
                 upstream=settings.vllm_url,
@@ -47,6 +49,7 @@ class Sidecar:
                 max_body_bytes=settings.max_body_bytes,
             ),
             ledger,
+            loops,
         )
         canary = None
         if settings.canary_prompt_file is not None:

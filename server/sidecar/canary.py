@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from server.sidecar.loops import LoopConfig, final_loops
 from server.sidecar.runaways import Completion, Ledger
 from server.sidecar.vllm_monitor import VllmMonitor
 
@@ -70,7 +71,10 @@ class Canary:
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
                 completion = Completion()
-                completion.add_body(json.loads(payload))
+                body = json.loads(payload)
+                completion.add_body(body)
+                for index in final_loops(body, LoopConfig()):  # the runaway's cause
+                    completion.choices[index].loop = True
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
             self.ledger.completions.labels(model, "error").inc()
             return None

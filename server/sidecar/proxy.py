@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from server.sidecar.loops import LoopGuard, ResponseGuard
 from server.sidecar.runaways import Completion, Ledger
 
 Scope = MutableMapping[str, Any]
@@ -64,9 +65,12 @@ def error_body(status: int, message: str, kind: str) -> bytes:
 
 
 class Proxy:
-    def __init__(self, settings: ProxySettings, ledger: Ledger) -> None:
+    def __init__(
+        self, settings: ProxySettings, ledger: Ledger, loops: LoopGuard | None = None
+    ) -> None:
         self.settings = settings
         self.ledger = ledger
+        self.loops = loops  # the runaway guard (loops.py); None: no loop detection
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -113,13 +117,15 @@ class Proxy:
                 message = f"malformed JSON body: {error}"
                 await _respond(send, 400, error_body(400, message, "invalid_request_error"))
                 return
+            changed = self.loops is not None and self.loops.prepare(request)
             if request.get("stream") and not _asks_usage(request):
                 request["stream_options"] = {
                     **(request.get("stream_options") or {}),
                     "include_usage": True,
                 }
+                changed = strip_usage = True
+            if changed:
                 body = json.dumps(request).encode()
-                strip_usage = True
         exchange = self._exchange(scope, body, send, classify, request, strip_usage)
         await _cancel_on_disconnect(exchange, receive)
 
@@ -168,16 +174,23 @@ class Proxy:
             message = f"vLLM failed before responding: {type(error).__name__}: {error}"
             await _respond(send, 502, error_body(502, message, "upstream_error"))
             return
+        guard = self.loops.watch(request, scope["path"]) if classify and self.loops else None
         async with response:
             streamed = response.content_type == "text/event-stream"
             if classify and streamed:
-                await self._stream(response, send, request.get("model"), strip_usage)
+                await self._stream(response, send, request.get("model"), strip_usage, guard)
             elif classify and response.status == 200:
-                await self._whole(response, send, request.get("model"))
+                await self._whole(response, send, request.get("model"), guard)
             else:
                 await self._relay(response, send)
 
-    async def _whole(self, response: aiohttp.ClientResponse, send: Send, model: str | None) -> None:
+    async def _whole(
+        self,
+        response: aiohttp.ClientResponse,
+        send: Send,
+        model: str | None,
+        guard: ResponseGuard | None = None,
+    ) -> None:
         try:
             payload = await response.read()
         except (aiohttp.ClientError, TimeoutError) as error:
@@ -188,7 +201,11 @@ class Proxy:
         await send({"type": "http.response.body", "body": payload})
         completion = Completion()
         with contextlib.suppress(ValueError, TypeError, AttributeError):
-            completion.add_body(json.loads(payload))
+            document = json.loads(payload)
+            completion.add_body(document)
+            if guard is not None:
+                guard.add_body(document)
+                guard.settle(completion)
         self.ledger.record(completion, model)
 
     async def _relay(self, response: aiohttp.ClientResponse, send: Send) -> None:
@@ -201,7 +218,12 @@ class Proxy:
         await send({"type": "http.response.body", "body": b""})
 
     async def _stream(
-        self, response: aiohttp.ClientResponse, send: Send, model: str | None, strip_usage: bool
+        self,
+        response: aiohttp.ClientResponse,
+        send: Send,
+        model: str | None,
+        strip_usage: bool,
+        guard: ResponseGuard | None = None,
     ) -> None:
         await _start(send, response)
         completion = Completion()
@@ -214,20 +236,33 @@ class Proxy:
                 if cut < 2:
                     continue
                 events, pending = pending[:cut], pending[cut:]
-                out = _observe(events, completion, strip_usage)
+                out = _observe(events, completion, strip_usage, guard)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
+                if guard is not None and guard.stopped:
+                    break
         except TimeoutError:
             failure = f"vLLM sent nothing for {self.settings.idle_timeout:g} s"
         except aiohttp.ClientError as error:
             failure = f"vLLM broke off the stream: {type(error).__name__}: {error}"
-        tail = pending + (b"" if failure is None else _error_event(failure))
+        if guard is not None and guard.stopped:
+            # The loop guard ends it: closing the connection makes vLLM abort the request
+            # and free its KV cache; the client gets a clean end instead of the rest.
+            response.close()
+            tail = guard.ending(include_usage=not strip_usage)
+        else:
+            tail = pending + (b"" if failure is None else _error_event(failure))
         await send({"type": "http.response.body", "body": tail})
+        if guard is not None:
+            guard.settle(completion)
         self.ledger.record(completion, model)
 
 
-def _observe(events: bytes, completion: Completion, strip_usage: bool) -> bytes:
-    """Feed complete SSE events to the classifier; return the bytes to forward."""
+def _observe(
+    events: bytes, completion: Completion, strip_usage: bool, guard: ResponseGuard | None = None
+) -> bytes:
+    """Feed complete SSE events to the classifier; return the bytes to forward. When the loop
+    guard stops the stream, nothing after the chunk that confirmed the loop is forwarded."""
     kept: list[bytes] = []
     dropped = False
     for event in events.split(b"\n\n")[:-1]:
@@ -238,6 +273,9 @@ def _observe(events: bytes, completion: Completion, strip_usage: bool) -> bytes:
                 chunk = None
             if isinstance(chunk, dict):
                 completion.add_chunk(chunk)
+                if guard is not None and guard.add_chunk(chunk):
+                    kept.append(event)
+                    return b"".join(event + b"\n\n" for event in kept)
                 if strip_usage and not chunk.get("choices") and chunk.get("usage"):
                     dropped = True
                     continue

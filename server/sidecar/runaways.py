@@ -25,6 +25,7 @@ class Choice:
     visible: bool = False  # any non-whitespace content (chat) or text (completions)
     tool_calls: bool = False
     finish_reason: str | None = None
+    loop: bool = False  # the loop guard (loops.py) confirmed an exact loop in its text
 
     def add_delta(self, delta: dict[str, Any]) -> None:
         content = delta.get("content")
@@ -36,6 +37,11 @@ class Choice:
     @property
     def runaway(self) -> bool:
         return self.finish_reason == "length" and not self.visible and not self.tool_calls
+
+    @property
+    def cause(self) -> str:
+        """Why a runaway ran away: a confirmed loop, or reasoning that never ended."""
+        return "loop" if self.loop else "long_reasoning"
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class Runaway:
     completion_tokens: int | None
     reasoning_tokens: int | None
     at: float
+    cause: str = "long_reasoning"  # "loop" when the loop guard saw a runaway choice loop
 
 
 class Ledger:
@@ -124,6 +131,14 @@ class Ledger:
             ["model"],
             registry=registry,
         )
+        # A label on runaway_completions_total would change the series alerts, dashboards and
+        # tests already select by {model}: the split is a counter of its own.
+        self.runaway_causes = Counter(
+            f"{prefix}runaways_by_cause",
+            "Runaways by cause: loop (the guard confirmed a loop) or long_reasoning.",
+            ["model", "cause"],
+            registry=registry,
+        )
         self.runaway_tokens = Counter(
             f"{prefix}runaway_tokens",
             "Completion tokens spent by runaway responses.",
@@ -136,11 +151,14 @@ class Ledger:
         """Count every finished choice; return how many were runaways."""
         model = completion.model or fallback_model or "unknown"
         runaways = 0
+        looped = False
         for choice in completion.choices.values():
             self.completions.labels(model, choice.finish_reason or "error").inc()
             if choice.runaway:
                 runaways += 1
                 self.runaways.labels(model).inc()
+                self.runaway_causes.labels(model, choice.cause).inc()
+                looped = looped or choice.loop
         if runaways:
             tokens = completion.usage.completion_tokens
             if tokens:
@@ -154,6 +172,7 @@ class Ledger:
                     usage.completion_tokens,
                     usage.reasoning_tokens,
                     time.time(),
+                    "loop" if looped else "long_reasoning",
                 )
             )
         return runaways

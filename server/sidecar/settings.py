@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the guard (and prometheus_client) load when the sidecar starts, not per CLI
+    from server.sidecar.loops import LoopPolicy
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,18 @@ class Settings:
     canary_interval: float = 300.0
     canary_concurrency: int = 8
     canary_max_tokens: int = 2048
+    # The runaway guard (loops.py): what a loop is, what to do about it, vLLM-side defaults.
+    loop_action: str = "observe"
+    loop_model_actions: str | None = None  # "MODEL=ACTION,…", overrides loop_action per model
+    loop_min_repeats: int = 4
+    loop_window_chars: int = 4096
+    loop_min_chars: int = 1024
+    default_repetition_detection: str | None = None  # JSON, vLLM's RepetitionDetectionParams
+    default_thinking_token_budget: int | None = None
+
+    def loop_policy(self) -> LoopPolicy:
+        """The guard's policy from these settings; SettingsError when they are unusable."""
+        return _loop_policy(self)
 
 
 FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -79,6 +96,48 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ),
     ("--canary-concurrency", "MLA_SERVE_CANARY_CONCURRENCY", int, "requests per canary round (8)"),
     ("--canary-max-tokens", "MLA_SERVE_CANARY_MAX_TOKENS", int, "max_tokens of the canary (2048)"),
+    (
+        "--loop-action",
+        "MLA_SERVE_LOOP_ACTION",
+        str,
+        "runaway guard: off, observe (count loops) or stop (end looping streams) (observe)",
+    ),
+    (
+        "--loop-model-actions",
+        "MLA_SERVE_LOOP_MODEL_ACTIONS",
+        str,
+        "per-model override of --loop-action, MODEL=ACTION[,MODEL=ACTION…]",
+    ),
+    (
+        "--loop-min-repeats",
+        "MLA_SERVE_LOOP_MIN_REPEATS",
+        int,
+        "a loop: its unit repeats at least this many times in a row (4)",
+    ),
+    (
+        "--loop-window-chars",
+        "MLA_SERVE_LOOP_WINDOW_CHARS",
+        int,
+        "text tail kept per choice; longest loop unit = window / min repeats (4096)",
+    ),
+    (
+        "--loop-min-chars",
+        "MLA_SERVE_LOOP_MIN_CHARS",
+        int,
+        "a loop covers at least this many characters (1024)",
+    ),
+    (
+        "--default-repetition-detection",
+        "MLA_SERVE_DEFAULT_REPETITION_DETECTION",
+        str,
+        "vLLM repetition_detection JSON set on requests without one (off)",
+    ),
+    (
+        "--default-thinking-token-budget",
+        "MLA_SERVE_DEFAULT_THINKING_TOKEN_BUDGET",
+        int,
+        "vLLM thinking_token_budget set on requests without one; needs a reasoning parser (off)",
+    ),
 )
 
 
@@ -108,13 +167,75 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
         raise SettingsError(f"--vllm-url must be an http(s) URL, got {settings.vllm_url!r}")
     positive = ("poll_interval", "probe_timeout", "connect_timeout", "upstream_timeout",
                 "stream_idle_timeout", "max_body_bytes", "canary_interval", "canary_concurrency",
-                "canary_max_tokens")  # fmt: skip
+                "canary_max_tokens", "loop_min_repeats", "loop_window_chars",
+                "loop_min_chars")  # fmt: skip
     for name in positive:
         if getattr(settings, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
     if settings.canary_prompt_file is not None and not settings.canary_prompt_file.is_file():
         raise SettingsError(f"--canary-prompt-file {settings.canary_prompt_file} does not exist")
+    settings.loop_policy()  # refuses unusable guard settings now, not at the first request
     return settings
+
+
+REPETITION_KEYS = ("max_pattern_size", "min_pattern_size", "min_count")
+
+
+def _loop_policy(settings: Settings) -> LoopPolicy:
+    from server.sidecar.loops import ACTIONS, LoopConfig, LoopPolicy
+
+    def action(value: str, where: str) -> str:
+        if value not in ACTIONS:
+            raise SettingsError(f"{where} must be one of {', '.join(ACTIONS)}, got {value!r}")
+        return value
+
+    default = action(settings.loop_action, "--loop-action")
+    per_model: dict[str, str] = {}
+    for item in filter(None, (settings.loop_model_actions or "").split(",")):
+        model, sep, value = item.strip().rpartition("=")
+        if not sep or not model:
+            raise SettingsError(f"--loop-model-actions: {item!r} is not MODEL=ACTION")
+        per_model[model] = action(value, f"--loop-model-actions {model}")
+    config = LoopConfig(
+        min_repeats=settings.loop_min_repeats,
+        window_chars=settings.loop_window_chars,
+        min_chars=settings.loop_min_chars,
+    )
+    if config.problems():
+        raise SettingsError(config.problems()[0])
+    budget = settings.default_thinking_token_budget
+    if budget is not None and budget < 0:
+        raise SettingsError("--default-thinking-token-budget must be 0 or more")
+    return LoopPolicy(
+        action=default,
+        model_actions=per_model,
+        config=config,
+        repetition_detection=_repetition_detection(settings.default_repetition_detection),
+        thinking_token_budget=budget,
+    )
+
+
+def _repetition_detection(text: str | None) -> dict[str, int] | None:
+    """vLLM's RepetitionDetectionParams as JSON, held to vLLM's own rules (0.33.0)."""
+    if text is None:
+        return None
+    where = "--default-repetition-detection"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise SettingsError(f"{where} is not JSON: {text!r}") from None
+    if not isinstance(value, dict) or not value or set(value) - set(REPETITION_KEYS):
+        raise SettingsError(
+            f"{where} must be an object with keys from {', '.join(REPETITION_KEYS)}"
+        )
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        raise SettingsError(f"{where}: every value must be an integer")
+    largest, smallest = value.get("max_pattern_size", 0), value.get("min_pattern_size", 0)
+    if largest <= 0 or smallest < 0 or smallest > largest:
+        raise SettingsError(f"{where}: needs max_pattern_size > 0 and 0 <= min_pattern_size <= it")
+    if value.get("min_count", 0) < 2:
+        raise SettingsError(f"{where}: min_count must be at least 2")
+    return dict(value)
 
 
 class SettingsError(Exception):

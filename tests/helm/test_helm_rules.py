@@ -144,6 +144,11 @@ def test_annotations_expand(promtool_bin: str, tmp_path: Path) -> None:
                         "series": f'mla_serve_cudagraph_mode_info{{{sel},rank="2",mode="NONE"}}',
                         "values": "1x40",
                     },
+                    {
+                        "series": f'mla_serve_reasoning_loops_total{{{sel},model="dsv4",'
+                        'channel="reasoning"}',
+                        "values": "0+2x40",
+                    },
                 ],
                 "alert_rule_test": [
                     {
@@ -184,6 +189,24 @@ def test_annotations_expand(promtool_bin: str, tmp_path: Path) -> None:
                                     "MlaServeCudaGraphModeMismatch",
                                     "mla-0 rank 2 runs CUDA graph mode NONE, "
                                     "not FULL_AND_PIECEWISE",
+                                ),
+                            }
+                        ],
+                    },
+                    {
+                        "eval_time": "20m",
+                        "alertname": "MlaServeReasoningLoops",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": "warning",
+                                    "namespace": "serving",
+                                    "pod": "mla-0",
+                                    "model": "dsv4",
+                                },
+                                "exp_annotations": expected(
+                                    "MlaServeReasoningLoops",
+                                    "dsv4 on mla-0: 10 generations caught in an exact loop in 5m",
                                 ),
                             }
                         ],

@@ -190,3 +190,12 @@ Flags that only multi-node pods need are added by the pod template.
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
+
+{{/* sidecar.loopGuard.modelActions as the sidecar's --loop-model-actions: MODEL=ACTION,… */}}
+{{- define "mla-serve.loopModelActions" -}}
+{{- $items := list -}}
+{{- range $model, $action := . -}}
+{{- $items = append $items (printf "%s=%s" $model $action) -}}
+{{- end -}}
+{{- join "," $items -}}
+{{- end -}}

@@ -252,6 +252,28 @@ spec:
         - --canary-max-tokens
         - {{ $v.sidecar.canary.maxTokens | quote }}
         {{- end }}
+        {{- $guard := $v.sidecar.loopGuard }}
+        - --loop-action
+        - {{ $guard.action | quote }}
+        {{- with $guard.modelActions }}
+        - --loop-model-actions
+        - {{ include "mla-serve.loopModelActions" . | quote }}
+        {{- end }}
+        - --loop-min-repeats
+        - {{ $guard.minRepeats | quote }}
+        - --loop-window-chars
+        - {{ $guard.windowChars | quote }}
+        - --loop-min-chars
+        - {{ $guard.minChars | quote }}
+        {{- $rd := $guard.vllmDefaults.repetitionDetection }}
+        {{- if gt (int $rd.maxPatternSize) 0 }}
+        - --default-repetition-detection
+        - {{ dict "max_pattern_size" (int $rd.maxPatternSize) "min_pattern_size" (int $rd.minPatternSize) "min_count" (int $rd.minCount) | toJson | quote }}
+        {{- end }}
+        {{- if not (kindIs "invalid" $guard.vllmDefaults.thinkingTokenBudget) }}
+        - --default-thinking-token-budget
+        - {{ $guard.vllmDefaults.thinkingTokenBudget | int | quote }}
+        {{- end }}
       env:
         - name: MLA_SERVE_STATE_DIR
           value: {{ $stateDir }}

@@ -23,6 +23,17 @@ produce a pod vLLM refuses) and add the ones a schema cannot state.
 {{- else if not (has $dcp (list 1 (int $p.prefillContext) (int $group))) -}}
 {{- fail (printf "parallelism: with prefillContext=%d, decodeContext must be one of %s (off, the PCP axis, or TP x PCP); got %d" (int $p.prefillContext) (list 1 (int $p.prefillContext) (int $group) | uniq | join ", ") $dcp) -}}
 {{- end -}}
+{{- $guardDefaults := .Values.sidecar.loopGuard.vllmDefaults -}}
+{{- if and (not (kindIs "invalid" $guardDefaults.thinkingTokenBudget)) (not .Values.vllm.reasoningParser) -}}
+{{- fail "sidecar.loopGuard.vllmDefaults.thinkingTokenBudget needs vllm.reasoningParser: vLLM refuses thinking_token_budget without a reasoning parser" -}}
+{{- end -}}
+{{- $rd := $guardDefaults.repetitionDetection -}}
+{{- if and (gt (int $rd.maxPatternSize) 0) (or (lt (int $rd.minCount) 2) (gt (int $rd.minPatternSize) (int $rd.maxPatternSize))) -}}
+{{- fail (printf "sidecar.loopGuard.vllmDefaults.repetitionDetection: vLLM needs minCount >= 2 and minPatternSize <= maxPatternSize (got minCount=%d, minPatternSize=%d, maxPatternSize=%d)" (int $rd.minCount) (int $rd.minPatternSize) (int $rd.maxPatternSize)) -}}
+{{- end -}}
+{{- if lt (int .Values.sidecar.loopGuard.windowChars) (int .Values.sidecar.loopGuard.minChars) -}}
+{{- fail "sidecar.loopGuard.windowChars must be at least sidecar.loopGuard.minChars" -}}
+{{- end -}}
 {{- if eq (int .Values.sidecar.port) (int .Values.vllm.port) -}}
 {{- fail (printf "sidecar.port and vllm.port are both %d; they share the pod's network namespace" (int .Values.vllm.port)) -}}
 {{- end -}}

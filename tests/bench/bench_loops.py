@@ -1,0 +1,246 @@
+"""`make bench`: what the runaway guard (server/sidecar/loops.py) costs the sidecar (issue 15).
+
+1. The sidecar process: the same streamed load through a sidecar with `--loop-action off` and
+   one with `--loop-action observe` (the default), in alternating rounds, against the fast
+   vLLM 0.33.0 stand-in of bench_passthrough (passthrough/upstream.py) and its load generator
+   (passthrough/loadgen.py, production mode: --streams streams at --rate tokens/s, one chunk
+   per token, each chunk in its own read, as vLLM streams). The CPU time of each sidecar
+   process over its rounds, per 1000 chunks relayed. Target: observe costs at most 20 % more
+   than off. The stand-in's tokens (`"<seq>@<t> "`, about 20 characters, never periodic) make
+   the guard check at almost every chunk; real tokens (about 4 characters) make it check
+   every fourth one, so this is the expensive case of ordinary text.
+2. The hot path alone, in this process: `proxy._observe` over the same chat chunks with no
+   guard and with an observing guard, in CPU microseconds per 1000 chunks, for ordinary text
+   (4-character tokens of a long non-periodic reasoning) and for a looping stream. Reported,
+   not judged: it leaves out the network and ASGI work that dominates (1).
+
+Results: --out (JSON) and a summary. Exit 1 when the target is missed or not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(ROOT / "tests"))
+sys.path.insert(2, str(ROOT))
+
+from bench_passthrough import LOADGEN, MODEL, run_loadgen  # noqa: E402
+from loop_corpus import LEGIT, LOOPS, stream  # noqa: E402
+from passthrough import proxies  # noqa: E402
+from passthrough.procs import Proc, free_port, wait_http  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from server.sidecar.loops import LoopGuard, LoopPolicy  # noqa: E402
+from server.sidecar.proxy import _observe  # noqa: E402
+from server.sidecar.runaways import Completion  # noqa: E402
+
+TARGET_GROWTH = 0.20
+
+
+def start_sidecar(bin_dir: Path, upstream: int, work: Path, action: str) -> proxies.Target:
+    port = free_port()
+    proc = Proc(
+        f"sidecar-{action}",
+        [
+            str(bin_dir / "mla-serve"), "sidecar",
+            "--vllm-url", f"http://127.0.0.1:{upstream}",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--loop-action", action,
+        ],
+        work / f"sidecar-{action}.log",
+    ).start()  # fmt: skip
+    return proxies.Target("sidecar", f"http://127.0.0.1:{port}", proc)
+
+
+def process_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    bin_dir = Path(sys.executable).parent
+    upstream_port = free_port()
+    upstream = Proc(
+        "upstream",
+        [sys.executable, str(HERE / "passthrough" / "upstream.py"), "--port", str(upstream_port)],
+        work / "upstream.log",
+    ).start()
+    sidecars: dict[str, proxies.Target] = {}
+    try:
+        wait_http(upstream, f"http://127.0.0.1:{upstream_port}/health", 30)
+        for action in ("off", "observe"):
+            sidecars[action] = start_sidecar(bin_dir, upstream_port, work, action)
+            proxies.wait_ready(sidecars[action], 60)
+        rounds: dict[str, list[dict[str, Any]]] = {"off": [], "observe": []}
+        options = [
+            "--streams", str(args.streams), "--rate", str(args.rate),
+            "--tokens", str(args.tokens), "--ramp", "1",
+        ]  # fmt: skip
+        for index in range(args.rounds):
+            order = ("off", "observe") if index % 2 == 0 else ("observe", "off")
+            for action in order:
+                target = sidecars[action]
+                other = sidecars["observe" if action == "off" else "off"]
+                assert target.proc is not None and other.proc is not None
+                other.proc.pause(True)  # its health polling stays out of this round
+                before = target.proc.cpu_seconds()
+                result = run_loadgen("production", target, options, 600, None)
+                cpu = target.proc.cpu_seconds() - before
+                other.proc.pause(False)
+                chunks = int(result["chunks_received"])
+                rounds[action].append(
+                    {
+                        "cpu_s": round(cpu, 3),
+                        "chunks": chunks,
+                        "cpu_ms_per_1000_chunks": round(1e6 * cpu / chunks, 3) if chunks else None,
+                        "streams_failed": result["streams_failed"],
+                        "elapsed_s": result["elapsed_s"],
+                    }
+                )
+                print(f"  round {index + 1} {action}: {rounds[action][-1]}", flush=True)
+    finally:
+        for target in sidecars.values():
+            if target.proc is not None:
+                target.proc.stop()
+        upstream.stop()
+    per = {
+        action: statistics.median(
+            r["cpu_ms_per_1000_chunks"] for r in found if r["cpu_ms_per_1000_chunks"]
+        )
+        for action, found in rounds.items()
+    }
+    return {
+        "load": {
+            "streams": args.streams,
+            "rate": args.rate,
+            "tokens": args.tokens,
+            "rounds": args.rounds,
+            "loadgen": str(LOADGEN.relative_to(ROOT)),
+        },
+        "rounds": rounds,
+        "cpu_ms_per_1000_chunks": {k: round(v, 3) for k, v in per.items()},  # medians
+        "range_ms_per_1000_chunks": {
+            action: [
+                min(r["cpu_ms_per_1000_chunks"] for r in found),
+                max(r["cpu_ms_per_1000_chunks"] for r in found),
+            ]
+            for action, found in rounds.items()
+        },
+        "growth": round(per["observe"] / per["off"] - 1, 4),
+        "failed_streams": sum(r["streams_failed"] for found in rounds.values() for r in found),
+    }
+
+
+def sse(chunks: list[dict[str, Any]]) -> list[bytes]:
+    return [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks]
+
+
+def chat_chunks(text: str) -> list[dict[str, Any]]:
+    head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1,
+            "model": MODEL}  # fmt: skip
+    first = {
+        **head,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    return [first] + [
+        {
+            **head,
+            "choices": [
+                {"index": 0, "delta": {"reasoning": piece}, "logprobs": None, "finish_reason": None}
+            ],
+        }
+        for piece in stream(text, (4,))
+    ]
+
+
+def hot_path(repeat: int) -> dict[str, Any]:
+    texts = {
+        "ordinary_text": LEGIT["long_reasoning"][1] * 4,
+        "looping_text": LOOPS["paragraph"][1],
+    }
+    guard = LoopGuard(LoopPolicy(action="observe"), CollectorRegistry())
+    out: dict[str, Any] = {}
+    for name, text in texts.items():
+        events = sse(chat_chunks(text))
+        timings: dict[str, list[float]] = {"off": [], "observe": []}
+        for _ in range(repeat):
+            for mode in ("off", "observe"):
+                completion = Completion()
+                watch = guard.watch({"model": MODEL, "max_tokens": 100000}, "/v1/chat/completions")
+                started = time.process_time()
+                for event in events:
+                    _observe(event, completion, False, watch if mode == "observe" else None)
+                timings[mode].append(time.process_time() - started)
+        per = {m: 1e9 * min(t) / len(events) for m, t in timings.items()}  # µs per 1000
+        out[name] = {
+            "chunks": len(events),
+            "cpu_us_per_1000_chunks": {m: round(v, 1) for m, v in per.items()},
+            "growth": round(per["observe"] / per["off"] - 1, 4),
+        }
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=100.0)
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--hot-path-repeat", type=int, default=5)
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+        },
+        "target": {"observe_cpu_growth_at_most": TARGET_GROWTH},
+    }
+    print("hot path (in process):", flush=True)
+    report["hot_path"] = hot_path(args.hot_path_repeat)
+    print(json.dumps(report["hot_path"], indent=1), flush=True)
+    ok = False
+    print("sidecar process, off vs observe:", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-loops-") as work:
+        try:
+            report["process"] = process_cost(args, Path(work))
+            ok = (
+                report["process"]["growth"] <= TARGET_GROWTH
+                and report["process"]["failed_streams"] == 0
+            )
+        except (RuntimeError, OSError, KeyError, ValueError) as error:
+            report["process"] = {"error": f"{type(error).__name__}: {error}"}
+    report["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    report["passed"] = ok
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    process = report["process"]
+    if "error" in process:
+        print(f"FAILED: {process['error']}")
+    else:
+        per = process["cpu_ms_per_1000_chunks"]
+        print(
+            f"sidecar CPU per 1000 chunks: off {per['off']} ms, observe {per['observe']} ms, "
+            f"growth {100 * process['growth']:.1f} % (target <= {100 * TARGET_GROWTH:.0f} %)"
+        )
+    print(f"written: {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
