@@ -166,9 +166,9 @@ def write(plan_: Plan, manifest: tuple[Path, str] | None = None) -> list[str]:
             entries.append(journal.Entry(name, before, text.encode()))
     if not entries:
         return []
-    journal.begin(tree, entries)
     with journal.SignalGuard() as guard:
         try:
+            journal.begin(tree, entries)
             for entry in entries:
                 target_path = journal.path_of(tree, entry.name)
                 if entry.name in changes:

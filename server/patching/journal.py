@@ -135,8 +135,8 @@ def replace(target: Path, data: bytes | None, mode: int | None = None) -> None:
         temporary = target.with_name(
             f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
         )
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
+        try:  # from before the file exists: a signal right after open still removes it
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 view = memoryview(data)
                 while view:
@@ -332,3 +332,6 @@ class SignalGuard:
         self.armed = False
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        if self.received is not None and self._previous and exc[0] is None:
+            # It arrived once the files were complete: deliver it as if we had not caught it.
+            os.kill(os.getpid(), self.received)
