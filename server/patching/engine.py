@@ -194,6 +194,8 @@ def _bytes(text: str | None) -> bytes | None:
 def _manifest_name(tree: VllmTree, target: Path) -> str:
     """The manifest's name in the journal: tree-relative inside the tree, else absolute."""
     absolute = target.absolute()
+    if target.is_symlink():  # the image links vllm/mla_serve_manifest.json to /opt/mla-serve
+        return str(absolute)
     try:
         return absolute.relative_to(tree.root).as_posix()
     except ValueError:
