@@ -73,6 +73,17 @@ elif [[ "$BASE_IMAGE" != *@* ]]; then
     BASE_IMAGE="${BASE_IMAGE}@${BASE_IMAGE_DIGEST}"
 fi
 
+# VLLM_SOURCE=index installs from the release's hash lock; the labels record which lock.
+VLLM_LOCK_SHA256=""
+if [ "$VLLM_SOURCE" = index ]; then
+    lock="docker/locks/vllm-${VLLM_VERSION}.txt"
+    if [ ! -f "$lock" ]; then
+        echo "docker/build.sh: no hash lock $lock: run docker/lock.sh ${VLLM_VERSION}" >&2
+        exit 2
+    fi
+    VLLM_LOCK_SHA256="$(sha256sum "$lock" | cut -d' ' -f1)"
+fi
+
 # The labels' facts, from the catalog the wheel will carry (fails on an unsupported release).
 mapfile -t facts < <(PYTHONPATH="$PWD" "$PYTHON" docker/labels.py build-args "$VLLM_VERSION")
 [ "${#facts[@]}" -eq 3 ] || { echo "docker/build.sh: cannot read the catalog" >&2; exit 2; }
@@ -85,6 +96,7 @@ args=(
     --build-arg "VLLM_VERSION=${VLLM_VERSION}"
     --build-arg "BASE_IMAGE=${BASE_IMAGE}"
     --build-arg "BASE_IMAGE_DIGEST=${BASE_IMAGE_DIGEST}"
+    --build-arg "VLLM_LOCK_SHA256=${VLLM_LOCK_SHA256}"
     --build-arg "VLLM_SOURCE=${VLLM_SOURCE}"
     --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 )

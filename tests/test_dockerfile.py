@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -524,3 +525,60 @@ def test_the_labels_record_the_base_digest() -> None:
     rows = _instructions()
     last_stage = max(i for i, (word, _) in enumerate(rows) if word == "FROM")
     assert ("ARG", "BASE_IMAGE_DIGEST") in rows[last_stage:]
+
+
+# ---- hash locks for VLLM_SOURCE=index ----------------------------------------------------
+
+
+def _requirements(text: str) -> list[tuple[str, list[str]]]:
+    """(requirement, [sha256 hashes]) of each entry of a pip requirements file."""
+    joined = re.sub(r"\\\n", " ", text)
+    rows = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement, *options = line.split(" --hash=")
+        rows.append((requirement.strip(), [o.strip() for o in options]))
+    return rows
+
+
+@pytest.mark.parametrize("release", catalog.load().releases)
+def test_every_release_has_a_complete_hash_lock(release: str) -> None:
+    lock = DOCKER / "locks" / f"vllm-{release}.txt"
+    assert lock.is_file(), f"run docker/lock.sh {release}"
+    rows = _requirements(lock.read_text())
+    names = [r.split("==")[0] for r, _ in rows]
+    assert f"vllm=={release}" in [r.split(" ;")[0] for r, _ in rows]
+    assert "torch" in names
+    for requirement, hashes in rows:
+        assert re.match(r"^[A-Za-z0-9._-]+==[^ ;]+( ; .+)?$", requirement), requirement
+        assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), requirement
+    assert "://" not in lock.read_text()  # no index named: the build's pip settings choose
+
+
+def test_the_index_stage_installs_only_from_the_hash_lock() -> None:
+    (run,) = [
+        rest for word, rest in _instructions() if word == "RUN" and "--require-hashes" in rest
+    ]
+    assert 'lock="/tmp/mla-serve-locks/vllm-${VLLM_VERSION}.txt"' in run
+    assert (
+        'pip install --no-cache-dir --progress-bar off --require-hashes --no-deps -r "${lock}"'
+        in run
+    )
+    assert '"vllm==' not in run  # nothing unhashed
+    assert ("COPY", "docker/locks/ /tmp/mla-serve-locks/") in _instructions()
+    (label,) = [rest for word, rest in _instructions() if word == "LABEL"]
+    assert 'io.mla-serve.vllm.lock.sha256="${VLLM_LOCK_SHA256}"' in label
+
+
+def test_build_records_the_lock_of_an_index_build(docker_stub: Path, tmp_path: Path) -> None:
+    base = f"nvidia/cuda@{DIGEST}"
+    code, log, err = _build(docker_stub, tmp_path, base, VLLM_SOURCE="index")
+    assert code == 0, err
+    lock = DOCKER / "locks" / "vllm-0.29.0.txt"
+    assert _build_args(log)["VLLM_LOCK_SHA256"] == hashlib.sha256(lock.read_bytes()).hexdigest()
+    code, log, _ = _build(docker_stub, tmp_path, base)
+    assert _build_args(log)["VLLM_LOCK_SHA256"] == ""  # the base image's own vLLM
+    code, log, err = _build(docker_stub, tmp_path, base, VLLM_SOURCE="index", VLLM_VERSION="0.26.0")
+    assert code == 2 and "no hash lock docker/locks/vllm-0.26.0.txt" in err and log == ""
