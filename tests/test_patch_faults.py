@@ -77,6 +77,11 @@ CASES = {
     "non-utf8-target": "a target file that is not UTF-8: one line, exit 2 (apply/status/verify)",
     "probe-raises": "a probe that raises on drifted code fails closed, no traceback",
     "manifest-wrong-shape": "a manifest with fixes of the wrong type: one line, exit 2",
+    "immutable-file": "an immutable target file (chattr +i) mid-series: tree restored",
+    "full-disk-sweep": "a real full disk (tmpfs) at every point of apply: restored or complete",
+    "tampered-version": "a manifest for another vLLM version fails verify",
+    "tampered-digest": "a manifest with another series digest fails verify",
+    "tampered-schema": "a manifest of another schema: one line, exit 2",
 }
 HELD: dict[str, bool] = {}
 
@@ -817,3 +822,130 @@ def test_a_manifest_of_the_wrong_shape_is_one_line(applied: Path, capsys):
     code, _, err = run(capsys, "patches", "verify", "--target", applied)
     assert "cannot read manifest" in one_line_error(code, err)
     held("manifest-wrong-shape")
+
+
+@pytest.mark.parametrize("case", ["tampered-version", "tampered-digest", "tampered-schema"])
+def test_a_tampered_manifest_is_caught(case: str, applied: Path, capsys):
+    path, document = _manifest(applied)
+    series = document["series"]
+    assert isinstance(series, dict)
+    if case == "tampered-version":
+        document["vllm_version"] = "0.33.0"
+    elif case == "tampered-digest":
+        series["digest"] = "0" * 64
+    else:
+        document["schema"] = 99
+    _rewrite(path, document)
+    code, _, err = run(capsys, "patches", "verify", "--target", applied)
+    if case == "tampered-schema":
+        assert "is not an mla-serve manifest" in one_line_error(code, err)
+    else:
+        assert code == 1 and "Traceback" not in err
+        word = "version" if case == "tampered-version" else "series"
+        assert f"DRIFT {word}: " in err
+    held(case)
+
+
+def test_an_immutable_file_mid_series_is_a_real_write_error(tmp_path: Path, capsys):
+    """rename(2) over an immutable file fails (EPERM) after two files were replaced."""
+    target = trees.clone(RELEASE, tmp_path / "tree")
+    victim = target / "vllm/v1/attention/backends/mla/indexer.py"  # 0003's second file
+    data = victim.read_bytes()
+    victim.unlink()  # its own inode: the flag must not reach the shared cache
+    victim.write_bytes(data)
+    flagged = subprocess.run(["chattr", "+i", str(victim)], capture_output=True, text=True)
+    if flagged.returncode != 0:
+        pytest.skip(f"chattr +i needs root and an ext4-like file system: {flagged.stderr}")
+    try:
+        before = snapshot(target)
+        code, _, err = run(capsys, "patches", "apply", "--target", target)
+        line = one_line_error(code, err)
+        assert f"cannot write {victim}: Operation not permitted; tree restored" in line
+        assert snapshot(target) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(victim)], check=True)
+    held("immutable-file")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A private tmpfs: a file system that really fills up."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=160m,mode=0755", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def _free(path: Path) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def test_a_full_disk_at_every_point_of_apply(small_disk: Path, capsys):
+    """Fill the disk to leave N bytes free, apply, repeat over N: every run either completes
+    or fails naming the file, with the tree byte for byte as it was."""
+    target = small_disk / "tree"
+    shutil.copytree(trees.pristine(RELEASE), target, ignore=shutil.ignore_patterns("__pycache__"))
+    files = series_files(RELEASE)
+    pristine = {f: (target / f).read_bytes() for f in files}
+    plan = engine.plan(tree.locate(target), CATALOG)
+    volume = sum(len(t or "") for t in plan.result.values()) + sum(map(len, pristine.values()))
+    upper = volume * 2 + 256 * 1024  # the journal holds both, base64: about 1.4 x volume
+    before = watched(target, files)
+    filler = small_disk / "filler"
+    outcomes: dict[str, int] = {}
+
+    def attempt(wanted: int) -> str:
+        filler.unlink(missing_ok=True)
+        with filler.open("wb") as handle:
+            size = max(_free(small_disk) - wanted, 0)
+            chunk = b"\0" * (1 << 20)
+            while size > 0:
+                size -= handle.write(chunk[: min(size, len(chunk))])
+        code, _, err = run(capsys, "patches", "apply", "--target", target)
+        if code == 0:
+            outcome = "complete"
+            assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+        else:
+            line = one_line_error(code, err)
+            assert "None" not in line and "No space left on device" in line, line
+            assert watched(target, files) == before, line  # restored, nothing left over
+            name = line.split("cannot write ", 1)[1].split(":", 1)[0]
+            outcome = f"failed at {Path(name).name}"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        filler.unlink()
+        for name, data in pristine.items():  # back to pristine for the next step
+            journal.replace(target / name, data)
+        (target / "vllm" / manifest.FILENAME).unlink(missing_ok=True)
+        return outcome
+
+    # Coarse over the whole range, then page by page from the last failure at the journal.
+    steps = 12
+    last_journal_failure = 0
+    for step in range(steps + 1):
+        wanted = upper * step // steps
+        if attempt(wanted) == f"failed at {journal.JOURNAL}":
+            last_journal_failure = wanted
+    page = os.statvfs(small_disk).f_frsize
+    for offset in range(32):
+        attempt(last_journal_failure + offset * page)
+    steps += 33
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    (REPORT_DIR / "full-disk.json").write_text(
+        json.dumps({"steps": steps + 1, "max_free_bytes": upper, "outcomes": outcomes}, indent=2)
+        + "\n"
+    )
+    assert outcomes.get("complete", 0) > 0
+    assert outcomes.get(f"failed at {journal.JOURNAL}", 0) > 0
+    later = [o for o in outcomes if o.startswith("failed at") and journal.JOURNAL not in o]
+    assert later, f"no run failed after the journal: {outcomes}"
+    held("full-disk-sweep")
