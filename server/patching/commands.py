@@ -209,5 +209,6 @@ ERRORS = (
     engine.PatchError,
     manifest.ManifestError,
     journal.JournalError,
+    journal.WriteFailed,  # restoring a file while repairing: names the file and the reason
     wheel.WheelError,
 )
