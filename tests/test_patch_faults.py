@@ -84,6 +84,7 @@ CASES = {
     "tampered-version": "a manifest for another vLLM version fails verify",
     "tampered-digest": "a manifest with another series digest fails verify",
     "tampered-schema": "a manifest of another schema: one line, exit 2",
+    "repair-cannot-write": "repair that cannot restore a file: one line, journal kept, retried",
 }
 HELD: dict[str, bool] = {}
 
@@ -953,3 +954,22 @@ def test_a_full_disk_at_every_point_of_apply(small_disk: Path, capsys):
     later = [o for o in outcomes if o.startswith("failed at") and journal.JOURNAL not in o]
     assert later, f"no run failed after the journal: {outcomes}"
     held("full-disk-sweep")
+
+
+def test_a_repair_that_cannot_restore_keeps_the_journal(tmp_path: Path, capsys):
+    target = trees.clone(RELEASE, tmp_path / "tree")
+    pristine = snapshot(target)
+    path = _interrupted(target)  # utils.py already holds its patched bytes
+    victim = target / "vllm/v1/attention/backends/utils.py"
+    flagged = subprocess.run(["chattr", "+i", str(victim)], capture_output=True, text=True)
+    if flagged.returncode != 0:
+        pytest.skip(f"chattr +i needs root and an ext4-like file system: {flagged.stderr}")
+    try:
+        code, _, err = run(capsys, "patches", "repair", "--target", target)
+        assert f"cannot write {victim}: Operation not permitted" in one_line_error(code, err)
+        assert path.exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(victim)], check=True)
+    assert run(capsys, "patches", "repair", "--target", target)[0] == 0
+    assert snapshot(target) == pristine
+    held("repair-cannot-write")
