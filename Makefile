@@ -107,10 +107,13 @@ IMAGE ?=
 BASE_IMAGE ?= vllm/vllm-openai:v$(VLLM_VERSION)
 VLLM_SOURCE ?= base
 
-.PHONY: image image-smoke
+.PHONY: image image-smoke lock
 image:  ## build the image (IMAGE=tag BASE_IMAGE=… VLLM_SOURCE=base|index VLLM_VERSION=…)
 	IMAGE='$(IMAGE)' VLLM_VERSION='$(VLLM_VERSION)' BASE_IMAGE='$(BASE_IMAGE)' \
 	  VLLM_SOURCE='$(VLLM_SOURCE)' PYTHON='$(PYTHON)' docker/build.sh
+
+lock:  ## hash locks for VLLM_SOURCE=index: docker/locks/vllm-<release>.txt (RELEASES="0.33.0 …")
+	PYTHON='$(PYTHON)' docker/lock.sh $(RELEASES)
 
 image-smoke:  ## build the image without a registry, check it inside, print its size
 	VLLM_VERSION='$(VLLM_VERSION)' PYTHON='$(PYTHON)' docker/smoke.sh

@@ -3,7 +3,14 @@
 #
 #   IMAGE          tag to build (default mla-serve:<mla-serve version>-vllm<VLLM_VERSION>)
 #   VLLM_VERSION   vLLM release (default 0.33.0)
-#   BASE_IMAGE     default vllm/vllm-openai:v<VLLM_VERSION>
+#   BASE_IMAGE     default vllm/vllm-openai:v<VLLM_VERSION>; a tag or a digest (name@sha256:...).
+#                  A tag is resolved to its digest (the local image's repository digest, else
+#                  the registry's through `docker buildx imagetools`), and the build then uses
+#                  name:tag@sha256:..., so the image is built on, and labelled with, exactly
+#                  that base (org.opencontainers.image.base.name / base.digest).
+#   BASE_DIGEST_LOOKUP  registry (default: local image, then registry), local (local image
+#                  only), none (no lookup); a base that cannot be resolved is built by tag,
+#                  with a warning, and base.digest is left empty.
 #   VLLM_SOURCE    base (BASE_IMAGE ships vLLM) or index (install vLLM from the package index)
 #   PYTHON         a Python that can import this checkout's `server` (default .venv/bin/python)
 #   DOCKER_BUILD_FLAGS  extra `docker build` flags (e.g. --network host, --target vllm)
@@ -20,6 +27,63 @@ BASE_IMAGE="${BASE_IMAGE:-vllm/vllm-openai:v${VLLM_VERSION}}"
 VLLM_SOURCE="${VLLM_SOURCE:-base}"
 PYTHON="${PYTHON:-.venv/bin/python}"
 
+# `registry/name:tag` -> `registry/name`; docker.io and library/ dropped, as RepoDigests has it.
+repository_of() {
+    local ref="${1%@*}" last
+    last="${ref##*/}"
+    if [[ "$last" == *:* ]]; then ref="${ref%:*}"; fi
+    ref="${ref#docker.io/}"
+    ref="${ref#index.docker.io/}"
+    printf '%s\n' "${ref#library/}"
+}
+
+# The manifest digest of a tagged image, or nothing when it cannot be told.
+resolve_digest() {
+    local ref="$1" repo line lookup="${BASE_DIGEST_LOOKUP:-registry}"
+    [ "$lookup" != none ] || return 0
+    repo="$(repository_of "$ref")"
+    while IFS= read -r line; do
+        if [ -n "$line" ] && [ "$(repository_of "${line%@*}")" = "$repo" ]; then
+            printf '%s\n' "${line##*@}"
+            return 0
+        fi
+    done < <(docker image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' \
+                 "$ref" 2>/dev/null || true)
+    if [ "$lookup" = registry ] && docker buildx version >/dev/null 2>&1; then
+        timeout 60 docker buildx imagetools inspect --format '{{json .Manifest}}' "$ref" \
+                2>/dev/null |
+            grep -o '"digest": *"sha256:[0-9a-f]\{64\}"' | head -n 1 | grep -o 'sha256:[0-9a-f]*' ||
+            true
+    fi
+}
+
+case "$BASE_IMAGE" in
+    *@sha256:*) BASE_IMAGE_DIGEST="${BASE_IMAGE##*@}" ;;
+    *@*) echo "docker/build.sh: BASE_IMAGE digest must be sha256: $BASE_IMAGE" >&2; exit 2 ;;
+    *) BASE_IMAGE_DIGEST="$(resolve_digest "$BASE_IMAGE")" ;;
+esac
+if [[ -n "$BASE_IMAGE_DIGEST" && ! "$BASE_IMAGE_DIGEST" =~ ^sha256:[0-9a-f]{64}$ ]]; then
+    echo "docker/build.sh: not a sha256 digest: $BASE_IMAGE_DIGEST" >&2
+    exit 2
+fi
+if [ -z "$BASE_IMAGE_DIGEST" ]; then
+    echo "docker/build.sh: warning: cannot resolve $BASE_IMAGE to a digest; building on" \
+         "the tag, and the labels record no base digest" >&2
+elif [[ "$BASE_IMAGE" != *@* ]]; then
+    BASE_IMAGE="${BASE_IMAGE}@${BASE_IMAGE_DIGEST}"
+fi
+
+# VLLM_SOURCE=index installs from the release's hash lock; the labels record which lock.
+VLLM_LOCK_SHA256=""
+if [ "$VLLM_SOURCE" = index ]; then
+    lock="docker/locks/vllm-${VLLM_VERSION}.txt"
+    if [ ! -f "$lock" ]; then
+        echo "docker/build.sh: no hash lock $lock: run docker/lock.sh ${VLLM_VERSION}" >&2
+        exit 2
+    fi
+    VLLM_LOCK_SHA256="$(sha256sum "$lock" | cut -d' ' -f1)"
+fi
+
 # The labels' facts, from the catalog the wheel will carry (fails on an unsupported release).
 mapfile -t facts < <(PYTHONPATH="$PWD" "$PYTHON" docker/labels.py build-args "$VLLM_VERSION")
 [ "${#facts[@]}" -eq 3 ] || { echo "docker/build.sh: cannot read the catalog" >&2; exit 2; }
@@ -31,6 +95,8 @@ args=(
     --tag "$IMAGE"
     --build-arg "VLLM_VERSION=${VLLM_VERSION}"
     --build-arg "BASE_IMAGE=${BASE_IMAGE}"
+    --build-arg "BASE_IMAGE_DIGEST=${BASE_IMAGE_DIGEST}"
+    --build-arg "VLLM_LOCK_SHA256=${VLLM_LOCK_SHA256}"
     --build-arg "VLLM_SOURCE=${VLLM_SOURCE}"
     --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 )

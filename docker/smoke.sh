@@ -121,7 +121,8 @@ fi
 echo "$BASE: $(mb "$(docker image inspect -f '{{.Size}}' "$BASE")")"
 
 step 4/6 "build: vLLM $VLLM_VERSION from the package index, then mla-serve"
-export VLLM_VERSION PYTHON BASE_IMAGE="$BASE" VLLM_SOURCE=index
+# The base was imported here (no registry has it): no digest to look up.
+export VLLM_VERSION PYTHON BASE_IMAGE="$BASE" VLLM_SOURCE=index BASE_DIGEST_LOOKUP=local
 export PIP_CERT=/etc/ssl/certs/ca-certificates.crt  # the image's bundle, host CAs included
 IMAGE="$IMAGE" DOCKER_BUILD_FLAGS="--network host" docker/build.sh
 # The stage the image is built on, tagged from the same build cache (nothing rebuilds):

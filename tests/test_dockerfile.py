@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -413,3 +414,171 @@ def test_labels_cli_check(applied_029: dict[str, object], tmp_path: Path) -> Non
     assert result.returncode == 1
     assert "series digest" in result.stderr
     assert "dcp-workspace-sizing" in result.stdout
+
+
+# ---- the base image by digest (docker/build.sh) -----------------------------------------
+
+DIGEST = "sha256:" + "ab" * 32
+OTHER = "sha256:" + "cd" * 32
+
+
+@pytest.fixture
+def docker_stub(tmp_path: Path) -> Path:
+    """A `docker` that answers image inspect / buildx from the environment and logs builds."""
+    bin_dir = tmp_path / "docker-bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "docker"
+    stub.write_text(
+        "#!/bin/sh\n"
+        'case "$1 $2" in\n'
+        '  "image inspect") [ -n "$STUB_REPO_DIGESTS" ] || exit 1;'
+        ' printf "%b\\n" "$STUB_REPO_DIGESTS" ;;\n'
+        '  "buildx version") [ -n "$STUB_REGISTRY_DIGEST" ] || exit 1 ;;\n'
+        '  "buildx imagetools") echo "$*" >> "$STUB_LOG";'
+        ' printf \'{"mediaType": "x", "digest": "%s", "size": 1}\\n\' "$STUB_REGISTRY_DIGEST" ;;\n'
+        '  build*) printf "%s\\n" "$@" >> "$STUB_LOG"; cat > /dev/null ;;\n'
+        "esac\n"
+    )
+    stub.chmod(0o755)
+    return bin_dir
+
+
+def _build(docker_stub: Path, tmp_path: Path, base: str, **env: str) -> tuple[int, str, str]:
+    log = tmp_path / "docker.log"
+    log.write_text("")
+    result = subprocess.run(
+        ["bash", str(DOCKER / "build.sh")],
+        env={
+            "PATH": f"{docker_stub}:/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "PYTHON": sys.executable,
+            "VLLM_VERSION": "0.29.0",
+            "BASE_IMAGE": base,
+            "STUB_LOG": str(log),
+            **env,
+        },
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result.returncode, log.read_text(), result.stderr
+
+
+def _build_args(log: str) -> dict[str, str]:
+    lines = log.splitlines()
+    return dict(lines[i + 1].split("=", 1) for i, line in enumerate(lines) if line == "--build-arg")
+
+
+def test_build_resolves_the_base_tag_to_its_local_repository_digest(
+    docker_stub: Path, tmp_path: Path
+) -> None:
+    code, log, err = _build(
+        docker_stub,
+        tmp_path,
+        "vllm/vllm-openai:v0.29.0",
+        STUB_REPO_DIGESTS=f"mirror.example/other@{OTHER}\\nvllm/vllm-openai@{DIGEST}",
+    )
+    assert code == 0, err
+    args = _build_args(log)
+    assert args["BASE_IMAGE"] == f"vllm/vllm-openai:v0.29.0@{DIGEST}"
+    assert args["BASE_IMAGE_DIGEST"] == DIGEST
+
+
+def test_build_asks_the_registry_when_the_base_is_not_local(
+    docker_stub: Path, tmp_path: Path
+) -> None:
+    code, log, err = _build(
+        docker_stub, tmp_path, "docker.io/vllm/vllm-openai:v0.29.0", STUB_REGISTRY_DIGEST=DIGEST
+    )
+    assert code == 0, err
+    assert "buildx imagetools inspect" in log
+    assert _build_args(log)["BASE_IMAGE"] == f"docker.io/vllm/vllm-openai:v0.29.0@{DIGEST}"
+    # BASE_DIGEST_LOOKUP=local never asks a registry (make image-smoke's imported base).
+    code, log, err = _build(
+        docker_stub,
+        tmp_path,
+        "vllm/vllm-openai:v0.29.0",
+        STUB_REGISTRY_DIGEST=DIGEST,
+        BASE_DIGEST_LOOKUP="local",
+    )
+    assert code == 0 and "imagetools" not in log
+    assert _build_args(log)["BASE_IMAGE_DIGEST"] == ""
+    assert "cannot resolve vllm/vllm-openai:v0.29.0 to a digest" in err
+
+
+def test_build_takes_a_base_given_by_digest_and_refuses_a_bad_one(
+    docker_stub: Path, tmp_path: Path
+) -> None:
+    code, log, err = _build(docker_stub, tmp_path, f"nvidia/cuda@{DIGEST}")
+    assert code == 0, err
+    args = _build_args(log)
+    assert args["BASE_IMAGE"] == f"nvidia/cuda@{DIGEST}"
+    assert args["BASE_IMAGE_DIGEST"] == DIGEST
+    code, log, err = _build(docker_stub, tmp_path, "nvidia/cuda@sha256:123")
+    assert code == 2 and "not a sha256 digest" in err and log == ""
+
+
+def test_the_labels_record_the_base_digest() -> None:
+    (label,) = [rest for word, rest in _instructions() if word == "LABEL"]
+    assert 'org.opencontainers.image.base.digest="${BASE_IMAGE_DIGEST}"' in label
+    rows = _instructions()
+    last_stage = max(i for i, (word, _) in enumerate(rows) if word == "FROM")
+    assert ("ARG", "BASE_IMAGE_DIGEST") in rows[last_stage:]
+
+
+# ---- hash locks for VLLM_SOURCE=index ----------------------------------------------------
+
+
+def _requirements(text: str) -> list[tuple[str, list[str]]]:
+    """(requirement, [sha256 hashes]) of each entry of a pip requirements file."""
+    joined = re.sub(r"\\\n", " ", text)
+    rows = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement, *options = line.split(" --hash=")
+        rows.append((requirement.strip(), [o.strip() for o in options]))
+    return rows
+
+
+@pytest.mark.parametrize("release", catalog.load().releases)
+def test_every_release_has_a_complete_hash_lock(release: str) -> None:
+    lock = DOCKER / "locks" / f"vllm-{release}.txt"
+    assert lock.is_file(), f"run docker/lock.sh {release}"
+    rows = _requirements(lock.read_text())
+    names = [r.split("==")[0] for r, _ in rows]
+    assert f"vllm=={release}" in [r.split(" ;")[0] for r, _ in rows]
+    assert "torch" in names
+    for requirement, hashes in rows:
+        assert re.match(r"^[A-Za-z0-9._-]+==[^ ;]+( ; .+)?$", requirement), requirement
+        assert hashes and all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes), requirement
+    assert "://" not in lock.read_text()  # no index named: the build's pip settings choose
+
+
+def test_the_index_stage_installs_only_from_the_hash_lock() -> None:
+    (run,) = [
+        rest for word, rest in _instructions() if word == "RUN" and "--require-hashes" in rest
+    ]
+    assert 'lock="/tmp/mla-serve-locks/vllm-${VLLM_VERSION}.txt"' in run
+    assert (
+        'pip install --no-cache-dir --progress-bar off --require-hashes --no-deps -r "${lock}"'
+        in run
+    )
+    assert '"vllm==' not in run  # nothing unhashed
+    assert ("COPY", "docker/locks/ /tmp/mla-serve-locks/") in _instructions()
+    (label,) = [rest for word, rest in _instructions() if word == "LABEL"]
+    assert 'io.mla-serve.vllm.lock.sha256="${VLLM_LOCK_SHA256}"' in label
+
+
+def test_build_records_the_lock_of_an_index_build(docker_stub: Path, tmp_path: Path) -> None:
+    base = f"nvidia/cuda@{DIGEST}"
+    code, log, err = _build(docker_stub, tmp_path, base, VLLM_SOURCE="index")
+    assert code == 0, err
+    lock = DOCKER / "locks" / "vllm-0.29.0.txt"
+    assert _build_args(log)["VLLM_LOCK_SHA256"] == hashlib.sha256(lock.read_bytes()).hexdigest()
+    code, log, _ = _build(docker_stub, tmp_path, base)
+    assert _build_args(log)["VLLM_LOCK_SHA256"] == ""  # the base image's own vLLM
+    code, log, err = _build(docker_stub, tmp_path, base, VLLM_SOURCE="index", VLLM_VERSION="0.26.0")
+    assert code == 2 and "no hash lock docker/locks/vllm-0.26.0.txt" in err and log == ""

@@ -1,4 +1,4 @@
-"""`mla-serve patches …`: list, status, apply, verify, fetch."""
+"""`mla-serve patches …`: list, status, apply, verify, repair, fetch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from server.patching import catalog as catalog_
-from server.patching import engine, manifest, report, tree, wheel
+from server.patching import diff, engine, journal, manifest, report, tree, wheel
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -25,6 +25,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         ("status", _status, "which fixes a vLLM tree has, proven by probes"),
         ("apply", _apply, "apply the release's series (all or nothing) and write the manifest"),
         ("verify", _verify, "check a patched tree against its manifest; non-zero on drift"),
+        ("repair", _repair, "undo an interrupted apply from its journal (restores the tree)"),
     ):
         sub = actions.add_parser(name, help=text)
         sub.add_argument(
@@ -77,6 +78,11 @@ def _list(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     catalog = catalog_.load()
     found = tree.locate(args.target)
+    if journal.journal_path(found).exists():
+        print(
+            f"WARNING: an apply on {found.root} was interrupted; run `mla-serve patches repair`",
+            file=sys.stderr,
+        )
     release = catalog.release_of(found.version)
     states = engine.Plan(tree=found, release=release, series=catalog.series(release)).states(
         catalog
@@ -93,18 +99,76 @@ def _apply(args: argparse.Namespace) -> int:
     catalog = catalog_.load()
     found = tree.locate(args.target)
     _describe(found, catalog.series(catalog.release_of(found.version)))
-    plan = engine.plan(found, catalog)
-    states = engine.check(plan, catalog)
-    for state in states:
-        print(f"  {state.fix.id:32} {state.action:16} probe {state.probe.word}")
+    path = args.manifest or manifest.default_path(found)
     if args.dry_run:
+        if journal.journal_path(found).exists():
+            print(f"dry run: an interrupted apply would be undone first ({JOURNAL_HINT})")
+        plan = engine.plan(found, catalog)
+        _print_states(engine.check(plan, catalog))
         changed = ", ".join(sorted(plan.changes)) or "nothing"
         print(f"dry run: would change {changed}")
         return 0
-    written = engine.write(plan)
-    path = args.manifest or manifest.default_path(found)
-    manifest.write(path, manifest.build(plan, states))
+    with journal.locked(found):
+        _recover(found, path, catalog)
+        plan = engine.plan(found, catalog)
+        states = engine.check(plan, catalog)
+        _print_states(states)
+        written = engine.write(plan, (path, manifest.render(manifest.build(plan, states))))
     print(f"{len(written)} file(s) changed; manifest: {path}")
+    return 0
+
+
+JOURNAL_HINT = f"vllm/{journal.JOURNAL}"
+
+
+def _print_states(states: list[engine.FixState]) -> None:
+    for state in states:
+        print(f"  {state.fix.id:32} {state.action:16} probe {state.probe.word}")
+
+
+def _recover(found: tree.VllmTree, path: Path, catalog: catalog_.Catalog) -> list[str] | None:
+    """Under the lock: undo an interrupted apply, if any, and remove its leftovers."""
+    series = catalog.series(catalog.release_of(found.version))
+    names = sorted(
+        {
+            file_diff.path
+            for patch in series.patches
+            for file_diff in _parsed(series, patch)
+            if _inside(found, file_diff.path)
+        }
+    )
+    restored = journal.recover(found, path, names)
+    if restored is not None:
+        listed = ", ".join(restored) or "nothing had been written yet"
+        print(f"undid an interrupted apply from its journal: restored {listed}")
+    return restored
+
+
+def _parsed(series: catalog_.Series, patch: str) -> list[diff.FileDiff]:
+    try:
+        return diff.parse(series.text(patch))
+    except diff.DiffError:
+        return []  # plan() reports it, naming the fix
+
+
+def _inside(found: tree.VllmTree, name: str) -> bool:
+    try:
+        found.file(name)
+    except tree.TreeError:
+        return False  # plan() refuses it, naming the fix
+    return True
+
+
+def _repair(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    found = tree.locate(args.target)
+    path = args.manifest or manifest.default_path(found)
+    with journal.locked(found):
+        restored = _recover(found, path, catalog)
+    if restored is None:
+        print(f"vLLM {found.version} at {found.root}: no interrupted apply, nothing to repair")
+    else:
+        print(f"vLLM {found.version} at {found.root} is as it was before the interrupted apply")
     return 0
 
 
@@ -144,5 +208,7 @@ ERRORS = (
     tree.TreeError,
     engine.PatchError,
     manifest.ManifestError,
+    journal.JournalError,
+    journal.WriteFailed,  # restoring a file while repairing: names the file and the reason
     wheel.WheelError,
 )

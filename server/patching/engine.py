@@ -5,24 +5,22 @@ Order of work, so that a failure never leaves a half-patched tree:
    does not apply but reverses cleanly is already present and is skipped; one
    that does neither is a conflict naming the fix, the patch and the file.
 2. check: the result must compile, and every fix's probe must pass on it.
-3. write: changed files are replaced atomically one by one; if any write
-   fails, the files already replaced are restored from memory.
-4. record: bytecode of the touched files is refreshed and the manifest written.
+3. write: a journal of every file's original and intended bytes is written and
+   fsynced, then the files and the manifest are replaced atomically; an error or a
+   signal restores them, and a run killed outright is undone by the next `apply`
+   or `repair` from the journal (server/patching/journal.py).
+4. record: bytecode of the touched files is refreshed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import py_compile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.patching import diff, probes
+from server.patching import diff, journal, probes
 from server.patching.catalog import Catalog, Fix, Series, Status
-from server.patching.tree import VllmTree, sha256
+from server.patching.tree import TreeError, VllmTree, sha256
 
 
 class PatchError(Exception):
@@ -87,6 +85,11 @@ def plan(tree: VllmTree, catalog: Catalog) -> Plan:
             file_diffs = diff.parse(result.series.text(patch))
         except diff.DiffError as error:
             raise PatchError(f"fix {fix.id}: {patch} is not a valid patch: {error}") from None
+        for file_diff in file_diffs:
+            try:
+                tree.file(file_diff.path)
+            except TreeError as error:
+                raise TreeError(f"fix {fix.id}: {patch} refused: {error}") from None
         result.diffs[patch] = file_diffs
         current = {fd.path: _current(result, fd.path) for fd in file_diffs}
         forward = _try_apply(file_diffs, current)
@@ -142,50 +145,84 @@ def check(plan_: Plan, catalog: Catalog) -> list[FixState]:
     return states
 
 
-def write(plan_: Plan) -> list[str]:
-    """Replace the changed files atomically; on any failure restore what was replaced."""
-    changes = plan_.changes
-    originals = {path: plan_.tree.read(path) for path in changes}
-    done: list[str] = []
-    try:
-        for path, text in changes.items():
-            _replace(plan_.tree.file(path), text)
-            done.append(path)
-    except OSError as error:
-        for path in reversed(done):
-            _replace(plan_.tree.file(path), originals[path])
-        raise PatchError(
-            f"cannot write {error.filename}: {error.strerror}; tree restored"
-        ) from None
+def write(plan_: Plan, manifest: tuple[Path, str] | None = None) -> list[str]:
+    """Replace the changed files (and write the manifest) as one crash-safe transaction.
+
+    The journal (server/patching/journal.py) is written before the first file, so a run
+    killed at any moment is undone by the next `apply` or `repair`. An error or a signal
+    (SIGTERM, SIGINT, SIGHUP) while writing restores every file and raises PatchError.
+    The caller holds the tree's lock. Returns the tree files changed.
+    """
+    tree = plan_.tree
+    changes = plan_.changes  # computed once: it compares with the disk
+    entries = [
+        journal.Entry(path, _bytes(tree.read(path)), _bytes(text)) for path, text in changes.items()
+    ]
+    if manifest is not None:
+        target, text = manifest
+        name = _manifest_name(tree, target)
+        before = journal.read_bytes(target)
+        if before != text.encode():
+            entries.append(journal.Entry(name, before, text.encode()))
+    if not entries:
+        return []
+    with journal.SignalGuard() as guard:
+        try:
+            journal.begin(tree, entries)
+            for entry in entries:
+                target_path = journal.path_of(tree, entry.name)
+                if entry.name in changes:
+                    _replace(target_path, changes[entry.name])
+                else:
+                    journal.replace(target_path, entry.after)
+            guard.disarm()
+            journal.end(tree)
+        except (journal.Interrupted, journal.WriteFailed, OSError) as error:
+            guard.disarm()
+            raise PatchError(_rolled_back(tree, entries, error)) from None
+    done = [e.name for e in entries if e.name in changes]
     for path in done:
         if path.endswith(".py") and changes[path] is not None:
-            _recompile(plan_.tree.file(path))
+            journal.recompile(tree.file(path))
     return done
 
 
-def _replace(target: Path, text: str | None) -> None:
-    if text is None:
-        target.unlink(missing_ok=True)
-        return
-    mode = target.stat().st_mode & 0o7777 if target.exists() else 0o644
-    descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+def _bytes(text: str | None) -> bytes | None:
+    return None if text is None else text.encode("utf-8")
+
+
+def _manifest_name(tree: VllmTree, target: Path) -> str:
+    """The manifest's name in the journal: tree-relative inside the tree, else absolute."""
+    absolute = target.absolute()
+    if target.is_symlink():  # the image links vllm/mla_serve_manifest.json to /opt/mla-serve
+        return str(absolute)
     try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(text.encode("utf-8"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, mode)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        return absolute.relative_to(tree.root).as_posix()
+    except ValueError:
+        return str(absolute)
 
 
-def _recompile(path: Path) -> None:
-    """Refresh the interpreter's cached bytecode so no stale .pyc outlives the edit."""
-    # A read-only __pycache__ only costs a recompile at import time.
-    with contextlib.suppress(py_compile.PyCompileError, OSError):
-        py_compile.compile(str(path), doraise=True)
+def _rolled_back(tree: VllmTree, entries: list[journal.Entry], error: BaseException) -> str:
+    """Undo the transaction; the one-line message for the error that stopped it."""
+    if isinstance(error, journal.Interrupted):
+        cause = f"interrupted by {error}"
+    elif isinstance(error, journal.WriteFailed):
+        cause = str(error)
+    else:
+        assert isinstance(error, OSError)
+        cause = f"cannot write {error.filename or 'a file'}: {error.strerror or error}"
+    try:
+        journal.roll_back(tree, entries)
+    except (journal.JournalError, journal.WriteFailed) as undo:
+        return (
+            f"{cause}; restoring the tree failed too ({undo}): the journal keeps the "
+            "originals, run `mla-serve patches repair` once the cause is fixed"
+        )
+    return f"{cause}; tree restored"
+
+
+def _replace(target: Path, text: str | None) -> None:
+    journal.replace(target, _bytes(text))
 
 
 def touched_files(plan_: Plan) -> list[dict[str, Any]]:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from server import __version__
-from server.patching import engine, probes
-from server.patching.catalog import Catalog
+from server.patching import engine, journal, probes
+from server.patching.catalog import Catalog, CatalogError
 from server.patching.tree import VllmTree, sha256
 
 FILENAME = "mla_serve_manifest.json"
@@ -59,30 +59,67 @@ def build(plan: engine.Plan, states: list[engine.FixState]) -> dict[str, Any]:
     }
 
 
+def render(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
 def write(path: Path, document: dict[str, Any]) -> None:
-    text = json.dumps(document, indent=2, sort_keys=False) + "\n"
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return  # unchanged: leave the file (and its mtime) alone
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
+    """Write the manifest atomically (unique temporary name, fsynced); ManifestError if not."""
+    text = render(document)
+    try:
+        if path.is_file() and path.read_bytes() == text.encode():
+            return  # unchanged: leave the file (and its mtime) alone
+        journal.replace(path, text.encode())
+    except (OSError, journal.WriteFailed) as error:
+        raise ManifestError(str(error)) from None
 
 
 def read(path: Path) -> dict[str, Any]:
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        document = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"no manifest at {path}; run `mla-serve patches apply` first") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ManifestError(f"cannot read manifest {path}: {error}") from None
+    except (OSError, ValueError, RecursionError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise ManifestError(f"cannot read manifest {path}: {reason}") from None
+    problem = _shape_problem(document)
+    if problem:
+        raise ManifestError(f"{path} is not an mla-serve manifest (schema {SCHEMA}): {problem}")
+    checked: dict[str, Any] = document
+    return checked
+
+
+def _shape_problem(document: object) -> str | None:
+    """What makes a document unusable as a manifest, or None (types, not trust)."""
     required = {"schema", "vllm_version", "release", "series", "fixes", "files"}
-    if (
-        not isinstance(document, dict)
-        or document.get("schema") != SCHEMA
-        or not (required <= document.keys())
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        return f"no schema {SCHEMA}"
+    if not required <= document.keys():
+        return "missing " + ", ".join(sorted(required - document.keys()))
+    if not all(isinstance(document[k], str) for k in ("vllm_version", "release")):
+        return "vllm_version and release must be strings"
+    series = document["series"]
+    if not isinstance(series, dict) or not isinstance(series.get("digest"), str):
+        return "series must have a digest"
+    if not isinstance(series.get("patches"), list):
+        return "series must list its patches"
+    fixes, files = document["fixes"], document["files"]
+    if not isinstance(fixes, list) or not all(
+        isinstance(f, dict) and isinstance(f.get("id"), str) for f in fixes
     ):
-        raise ManifestError(f"{path} is not an mla-serve manifest (schema {SCHEMA})")
-    return document
+        return "fixes must be a list of objects with an id"
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict)
+        and isinstance(f.get("path"), str)
+        and isinstance(f.get("sha256_after"), str | None)
+        for f in files
+    ):
+        return "files must be a list of objects with a path and sha256_after"
+    for row in files:
+        name = row["path"]
+        if name.startswith("/") or "\\" in name or ".." in name.split("/"):
+            return f"file path {name!r} is not a relative path inside the vLLM tree"
+    return None
 
 
 @dataclass(frozen=True)
@@ -105,8 +142,21 @@ def changed_files(
 
 
 def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[Drift]:
-    """Everything that no longer matches the manifest; empty when the tree is intact."""
+    """Everything that no longer matches; empty only when the tree is intact.
+
+    The manifest is not trusted: it must agree with this mla-serve's catalog for the
+    tree's release (series digest and patches, every fix with its status and patches,
+    exactly the files the series touches), the series must be present in the tree,
+    every touched file must hash as recorded, and every fix's probe must pass.
+    """
     drifts: list[Drift] = []
+    pending = journal.journal_path(tree)
+    if pending.exists():
+        drifts.append(
+            Drift(
+                "journal", f"an apply was interrupted ({pending}); run `mla-serve patches repair`"
+            )
+        )
     if document["vllm_version"] != tree.version:
         drifts.append(
             Drift(
@@ -115,23 +165,81 @@ def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[D
             )
         )
         return drifts
-    series = catalog.series(document["release"])
+    release = catalog.release_of(tree.version)
+    if document["release"] != release:
+        drifts.append(Drift("release", f"manifest says {document['release']}, tree is {release}"))
+    series = catalog.series(release)
     if series.digest != document["series"]["digest"]:
         drifts.append(
             Drift(
                 "series",
-                "this mla-serve carries a different series for "
-                f"{document['release']}; run apply again",
+                f"this mla-serve carries a different series for {release}; run apply again",
             )
         )
+    if list(document["series"]["patches"]) != list(series.patches):
+        drifts.append(
+            Drift(
+                "series",
+                f"manifest lists patches {document['series']['patches']}, "
+                f"the series for {release} has {list(series.patches)}",
+            )
+        )
+    drifts += _fix_drifts(tree, document, catalog, release)
+    drifts += _series_drifts(tree, document, catalog)
     for path, actual, expected in changed_files(tree, document):
         state = "missing" if actual is None else f"sha256 {actual[:12]}…"
         drifts.append(Drift(path, f"{state}, manifest says {str(expected)[:12]}…"))
-    for fix in document["fixes"]:
-        if fix["id"] not in probes.PROBES:
-            drifts.append(Drift(fix["id"], "fix unknown to this mla-serve; run apply again"))
-            continue
-        result = probes.run(fix["id"], tree)
+    return drifts
+
+
+def _fix_drifts(
+    tree: VllmTree, document: dict[str, Any], catalog: Catalog, release: str
+) -> list[Drift]:
+    """Each catalog fix must be listed with the catalog's status, and its probe must pass."""
+    drifts = []
+    listed = {row["id"]: row for row in document["fixes"]}
+    for fix in catalog.fixes:
+        claim = fix.on(release)
+        row = listed.get(fix.id)
+        if row is None:
+            drifts.append(
+                Drift(fix.id, f"not in the manifest; the catalog says {claim.status.value}")
+            )
+        elif row.get("status") != claim.status.value:
+            drifts.append(
+                Drift(
+                    fix.id,
+                    f"manifest says {row.get('status')}, the catalog says {claim.status.value} "
+                    f"for {release}",
+                )
+            )
+        elif list(row.get("patches") or []) != list(claim.patches):
+            drifts.append(Drift(fix.id, f"manifest lists other patches than {list(claim.patches)}"))
+        result = probes.run(fix.id, tree)
         if not result.passed:
-            drifts.append(Drift(fix["id"], f"probe fails: {result.detail}"))
+            drifts.append(Drift(fix.id, f"probe fails: {result.detail}"))
+    for fix_id in sorted(set(listed) - {f.id for f in catalog.fixes}):
+        drifts.append(Drift(fix_id, "fix unknown to this mla-serve; run apply again"))
+    return drifts
+
+
+def _series_drifts(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[Drift]:
+    """The series must be present in the tree, and the manifest must list its files."""
+    try:
+        plan = engine.plan(tree, catalog)
+    except engine.PatchError as error:
+        return [Drift("series", f"not present in the tree: {error}")]
+    except CatalogError as error:
+        return [Drift("series", str(error))]
+    drifts = []
+    if plan.applied:
+        drifts.append(
+            Drift("series", f"patches not applied to the tree: {', '.join(plan.applied)}")
+        )
+    touched = set(plan.result)
+    recorded = {row["path"] for row in document["files"]}
+    for path in sorted(touched - recorded):
+        drifts.append(Drift(path, "the series changes this file but the manifest omits it"))
+    for path in sorted(recorded - touched):
+        drifts.append(Drift(path, "the manifest lists this file but the series does not touch it"))
     return drifts

@@ -19,7 +19,7 @@ import ast
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from server.patching.tree import VllmTree
+from server.patching.tree import TreeError, VllmTree
 
 INDEX_GROUP = "vllm/v1/attention/backends/mla/index_group.py"
 HISPARSE_RUNTIME = "vllm/v1/hisparse/runtime.py"
@@ -63,6 +63,10 @@ def run(fix_id: str, tree: VllmTree) -> ProbeResult:
         return PROBES[fix_id](tree)
     except SyntaxError as error:
         return ProbeResult(False, f"{error.filename or 'a file'} does not parse: {error.msg}")
+    except TreeError:
+        raise  # the tree itself is unusable (a path outside it, a file that is not UTF-8)
+    except Exception as error:  # a probe must fail closed on code it cannot judge
+        return ProbeResult(False, f"probe raised {type(error).__name__}: {error}")
 
 
 # --- syntax helpers -------------------------------------------------------

@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 
 class TreeError(Exception):
@@ -40,15 +40,51 @@ class VllmTree:
         return self.root / "vllm"
 
     def file(self, relative: str) -> Path:
-        return self.root / relative
+        """The path of a tree file; refuses any path that would leave the tree."""
+        return confine(self.root, relative)
 
     def read(self, relative: str) -> str | None:
         """The text of a tree file, or None when the release does not have it."""
         if relative in self.overlay:
             return self.overlay[relative]
-        path = self.root / relative
-        # Bytes decoded as they are: read_text() would turn CRLF into LF.
-        return path.read_bytes().decode("utf-8") if path.is_file() else None
+        path = self.file(relative)
+        if not path.is_file():
+            return None
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise TreeError(f"cannot read {path}: {error.strerror or error}") from None
+        try:
+            # Bytes decoded as they are: read_text() would turn CRLF into LF.
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise TreeError(
+                f"{path} is not UTF-8 text (byte {error.start}: {error.reason})"
+            ) from None
+
+
+def confine(root: Path, relative: str) -> Path:
+    """`root / relative`, refused unless it names a place inside `root`.
+
+    Patch files and manifests name tree files by relative POSIX paths. An absolute
+    path, a `..` segment, or a symbolic link (of the file or of a directory above it)
+    that resolves outside the tree would let a series or a manifest read or write
+    elsewhere; each is a TreeError, raised before anything is read or written.
+    """
+    pure = PurePosixPath(relative)
+    if (
+        not relative
+        or "\0" in relative
+        or "\\" in relative
+        or pure.is_absolute()
+        or any(part in ("..", "") for part in relative.split("/"))
+    ):
+        raise TreeError(f"path {relative!r} is not a relative path inside the vLLM tree")
+    path = root / relative
+    base = root.resolve()
+    if not path.resolve().is_relative_to(base):
+        raise TreeError(f"path {relative!r} leaves the vLLM tree {root} (through a symbolic link)")
+    return path
 
 
 def locate(target: Path | None) -> VllmTree:
@@ -74,11 +110,18 @@ def locate(target: Path | None) -> VllmTree:
 def _read_version(root: Path) -> tuple[str, str | None]:
     version_file = root / "vllm" / "_version.py"
     if version_file.is_file():
-        values = _assigned_strings(version_file.read_text(encoding="utf-8"))
+        try:
+            values = _assigned_strings(version_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as error:
+            raise TreeError(f"cannot read the vLLM release from {version_file}: {error}") from None
         if "__version__" in values:
             return values["__version__"], values.get("__commit_id__")
     for metadata in sorted(root.glob("vllm-*.dist-info/METADATA")):
-        for line in metadata.read_text(encoding="utf-8").splitlines():
+        try:
+            text = metadata.read_text(encoding="utf-8", errors="replace")
+        except OSError as error:
+            raise TreeError(f"cannot read {metadata}: {error.strerror or error}") from None
+        for line in text.splitlines():
             if line.startswith("Version:"):
                 return line.split(":", 1)[1].strip(), None
     raise TreeError(f"cannot tell the vLLM release of {root}: no vllm/_version.py or dist-info")
