@@ -29,11 +29,17 @@ def row(summary: dict[str, Any]) -> str:
     if syncs:
         notes.append("host syncs: " + ", ".join(f"{k} x{v}" for k, v in list(syncs.items())[:3]))
     served = summary["verdict"].startswith("served")
-    outcome = (
-        "served"
-        if served
-        else f"failed: {summary.get('first_error_in_vllm_log') or summary['startup']['outcome']}"
+    failed = sorted(
+        name.rsplit("::", 1)[1]
+        for name, case in summary["tests"].get("cases", {}).items()
+        if case["outcome"] == "failed"
     )
+    if served:
+        outcome = "served"
+    elif summary["startup"]["outcome"] in ("ready", "serving"):
+        outcome = f"{summary['startup']['outcome']}; failed: {', '.join(failed)}"
+    else:
+        outcome = f"did not start: {summary.get('first_error_in_vllm_log')}"
     return (
         f"| {stack['release']} | `{stack['layout']['profile']}` → {layout_text(stack['layout'])} "
         f"| {stack['state']} | {len(summary['engine'])} | {outcome} "
