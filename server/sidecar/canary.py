@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from server.sidecar.runaways import Completion, Ledger
-from server.sidecar.vllm_monitor import VllmMonitor
+from server.sidecar.vllm_monitor import VllmMonitor, auth_headers
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Canary:
     timeout: float
     ledger: Ledger
     monitor: VllmMonitor
+    api_key: str | None = None
     last_round: dict[str, Any] = field(default_factory=dict)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -65,13 +66,19 @@ class Canary:
         }
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with session.post("/v1/chat/completions", json=body, timeout=timeout) as response:
+            async with session.post(
+                "/v1/chat/completions",
+                json=body,
+                timeout=timeout,
+                headers=auth_headers(self.api_key),
+            ) as response:
                 payload = await response.read()
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
                 completion = Completion()
                 completion.add_body(json.loads(payload))
-        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError,
+                RecursionError):  # fmt: skip
             self.ledger.completions.labels(model, "error").inc()
             return None
         return self.ledger.record(completion, model)

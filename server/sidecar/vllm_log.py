@@ -9,7 +9,11 @@ on the mode wins. Rank comes from the worker prefix vLLM puts on each line
 
 from __future__ import annotations
 
+import copy
+import os
 import re
+import threading
+from pathlib import Path
 from typing import Any
 
 _CONFIG_MODE = re.compile(r"['\"]cudagraph_mode['\"]: <?(?:CUDAGraphMode\.)?([A-Z_]+)")
@@ -23,29 +27,109 @@ _WORKER = re.compile(r"\(\w*?Worker\w*?_(?:TP|PP|DP|EP|PCP|DCP)?(\d+)")
 
 def parse(text: str) -> list[dict[str, Any]]:
     """Per-rank figures found in a vLLM log, in the engine plugin's state shape."""
-    mode: str | None = None
-    sizes: list[int] = []
-    ranks: dict[int, dict[str, Any]] = {}
+    parser = Parser()
     for line in text.splitlines():
+        parser.feed(line)
+    return parser.result()
+
+
+class Parser:
+    """The log's figures so far, line by line; the last word on each wins."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.sizes: list[int] = []
+        self.ranks: dict[int, dict[str, Any]] = {}
+
+    def feed(self, line: str) -> None:
+        if "udagraph" not in line and "Overriding" not in line and "Graph capturing" not in line:
+            return  # most lines: one scan, no regular expression
         if (found := _CONFIG_MODE.search(line)) is not None:
-            mode = found.group(1)
+            self.mode = found.group(1)
         if (found := _CONFIG_SIZES.search(line)) is not None:
-            sizes = [int(s) for s in found.group(1).replace(" ", "").split(",") if s]
+            self.sizes = [int(s) for s in found.group(1).replace(" ", "").split(",") if s]
         for pattern in (_SETTING, _OVERRIDE):
             if (found := pattern.search(line)) is not None:
-                mode = found.group(1)
+                self.mode = found.group(1)
         if _EAGER in line:
-            mode = "NONE"
-        if (found := _CAPTURED.search(line)) is not None:
+            self.mode = "NONE"
+        if "Graph capturing" in line and (found := _CAPTURED.search(line)) is not None:
             worker = _WORKER.search(line)
             rank = int(worker.group(1)) if worker else 0
-            ranks[rank] = {
+            self.ranks[rank] = {
                 "capture_seconds": float(found.group(1)),
                 "capture_bytes": int(float(found.group(2)) * (1 << 30)),
             }
-    if mode is None and not ranks:
-        return []
-    return [
-        {"rank": rank, "cudagraph_mode": mode, "cudagraph_capture_sizes": sizes, **figures}
-        for rank, figures in sorted((ranks or {0: {}}).items())
-    ]
+
+    def result(self) -> list[dict[str, Any]]:
+        if self.mode is None and not self.ranks:
+            return []
+        return [
+            {"rank": rank, "cudagraph_mode": self.mode,
+             "cudagraph_capture_sizes": list(self.sizes), **figures}
+            for rank, figures in sorted((self.ranks or {0: {}}).items())
+        ]  # fmt: skip
+
+
+class LogFile:
+    """A vLLM log read incrementally: each `refresh` parses only what was appended.
+
+    The file is followed by offset. When it is replaced (rotation: another inode) or
+    shrinks (truncation, `copytruncate`), reading starts again at its beginning; figures
+    already found are kept until a newer line replaces them. A line longer than
+    `max_line` is skipped. Call `refresh` off the event loop: the first read of a large
+    log takes a while.
+    """
+
+    def __init__(self, path: Path, max_line: int = 1 << 20, chunk: int = 4 << 20) -> None:
+        self.path = path
+        self.max_line = max_line
+        self.chunk = chunk
+        self.parser = Parser()
+        self.offset = 0
+        self.identity: tuple[int, int] | None = None
+        self.partial = b""
+        self.skipping = False  # inside an over-long line
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self.figures: list[dict[str, Any]] = []
+
+    def refresh(self) -> list[dict[str, Any]]:
+        with self._lock:
+            try:
+                self._read()
+                self.error = None
+            except OSError as error:
+                self.error = f"{self.path}: {error.strerror or error}"
+            parser = self.parser
+            if self.partial and not self.skipping:  # a last line without its newline (yet)
+                parser = copy.deepcopy(self.parser)
+                parser.feed(self.partial.decode("utf-8", errors="replace"))
+            self.figures = parser.result()
+            return self.figures
+
+    def _read(self) -> None:
+        with self.path.open("rb") as handle:
+            stat = os.fstat(handle.fileno())
+            identity = (stat.st_dev, stat.st_ino)
+            if identity != self.identity or stat.st_size < self.offset:
+                self.identity, self.offset, self.partial, self.skipping = identity, 0, b"", False
+            handle.seek(self.offset)
+            while True:
+                data = handle.read(self.chunk)
+                if not data:
+                    return
+                self.offset += len(data)
+                self._lines(data)
+
+    def _lines(self, data: bytes) -> None:
+        lines = data.split(b"\n")
+        lines[0] = self.partial + lines[0]
+        self.partial = lines.pop()
+        for line in lines:
+            if self.skipping:
+                self.skipping = False
+                continue
+            self.parser.feed(line.decode("utf-8", errors="replace"))
+        if len(self.partial) > self.max_line:
+            self.partial, self.skipping = b"", True

@@ -1,0 +1,118 @@
+"""Server-sent events, split without copying more than needed.
+
+vLLM writes one `data: {json}\\n\\n` event per write, so the fast path is one `rfind` per
+read. The general path follows the SSE grammar: lines end in CRLF, LF or CR, and an event
+ends at an empty line. Bytes are never rewritten here: callers forward exactly the slices
+they are given. A partial event is kept as a list of pieces (linear in its size) and only
+up to `limit` bytes; past that it is forwarded as it comes and not parsed.
+"""
+
+from __future__ import annotations
+
+import re
+
+# An empty line: two line terminators in a row. A lone CR must not be the first half of a
+# CRLF, or "data: x\r\nmore" would count as an event end.
+_EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def last_event_end(buffer: bytes) -> int:
+    """The index just past the last complete event in `buffer`, or 0 if there is none."""
+    if b"\r" not in buffer:
+        cut = buffer.rfind(b"\n\n")
+        return cut + 2 if cut >= 0 else 0
+    end = 0
+    for found in _EVENT_END.finditer(buffer):
+        end = found.end()
+    return end
+
+
+def split_events(block: bytes) -> list[tuple[bytes, bytes]]:
+    """Complete events in `block` (which ends at an event end): (raw bytes, event text)."""
+    if b"\r" not in block:
+        raws = block.split(b"\n\n")[:-1]
+        return [(raw + b"\n\n", raw) for raw in raws]
+    events: list[tuple[bytes, bytes]] = []
+    start = 0
+    for found in _EVENT_END.finditer(block):
+        events.append((block[start : found.end()], block[start : found.start()]))
+        start = found.end()
+    return events
+
+
+def data_of(event: bytes) -> bytes | None:
+    """The event's data (its `data:` lines joined by LF), or None when it has none."""
+    if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:
+        return event[6:]  # vLLM's shape: one line
+    lines = []
+    for line in _LINE_END.split(event):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(lines) if lines else None
+
+
+class Splitter:
+    """Feed reads; get back complete event blocks, and bytes to pass on unparsed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pieces: list[bytes] = []
+        self.size = 0
+        self.skipping = False  # inside an oversized event: forward until its end
+        self.oversized = 0
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes]:
+        """(unparsed bytes to forward first, complete events to parse and forward)."""
+        if not self.pieces and not self.skipping:
+            cut = last_event_end(data)
+            if cut == len(data):
+                return b"", data
+            if cut == 0:
+                return self._hold(b"", data)
+            return self._hold(b"", data[cut:], data[:cut])
+        if self.skipping:
+            tail = self._tail()
+            joined = tail + data
+            cut = last_event_end(joined)
+            if cut == 0:
+                self.pieces = [joined[-3:]]
+                return data, b""
+            cut = max(cut - len(tail), 0)
+            self.skipping = False
+            self.pieces, self.size = [], 0
+            rest = data[cut:]
+            inner = last_event_end(rest)
+            if inner == 0:
+                return self._hold(data[:cut], rest)
+            return self._hold(data[:cut], rest[inner:], rest[:inner])
+        tail = self._tail()
+        if last_event_end(tail + data) <= len(tail):
+            return self._hold(b"", data)
+        buffer = b"".join(self.pieces) + data
+        self.pieces, self.size = [], 0
+        cut = last_event_end(buffer)
+        return self._hold(b"", buffer[cut:], buffer[:cut])
+
+    def _tail(self) -> bytes:
+        return self.pieces[-1][-3:] if self.pieces else b""
+
+    def _hold(self, unparsed: bytes, partial: bytes, events: bytes = b"") -> tuple[bytes, bytes]:
+        if partial:
+            self.pieces.append(partial)
+            self.size += len(partial)
+        if self.size > self.limit:  # too big to parse: pass it on as it is
+            self.oversized += 1
+            unparsed += events + b"".join(self.pieces)
+            events = b""
+            self.skipping = True
+            self.pieces = [self.pieces[-1][-3:]]
+            self.size = 0
+        return unparsed, events
+
+    def rest(self) -> bytes:
+        """What is left at the end of the stream (an unterminated event)."""
+        left = b"" if self.skipping else b"".join(self.pieces)
+        self.pieces, self.size = [], 0
+        return left
