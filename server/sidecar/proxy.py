@@ -73,7 +73,7 @@ class ProxySettings:
     connect_timeout: float = 5.0
     response_timeout: float = 600.0  # until vLLM's response headers
     idle_timeout: float = 300.0  # between two reads of any response body
-    body_timeout: float = 60.0  # the client's whole request body
+    body_timeout: float = 60.0  # longest gap while reading the client's request body
     max_body_bytes: int = 16 * 1024 * 1024
     max_inflight_body_bytes: int = 64 * 1024 * 1024
     max_json_values: int = 1_000_000
@@ -236,9 +236,11 @@ class Proxy:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise Refused(413, f"request body over {limit} bytes")
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
+            async with asyncio.timeout(None) as guard:
                 while True:
+                    guard.reschedule(loop.time() + self.settings.body_timeout)
                     message = await receive()
                     if message["type"] == "http.disconnect":
                         raise ClientGone
@@ -257,7 +259,7 @@ class Proxy:
                         break
         except TimeoutError:
             raise Refused(
-                408, f"request body not received within {self.settings.body_timeout:g} s"
+                408, f"request body stalled for {self.settings.body_timeout:g} s"
             ) from None
         if len(request.body) > 1:
             request.body[:] = [b"".join(request.body)]
@@ -336,7 +338,7 @@ class Proxy:
         keep = request is not None and response.status == 200
         kept: list[bytes] = []
         size = 0
-        await _start(send, response)
+        await _start(send, response, keep_length=True)
 
         async def each(data: bytes) -> None:
             nonlocal size
@@ -540,12 +542,15 @@ async def _cancel_on_disconnect(exchange: Awaitable[None], receive: Receive) -> 
         raise work.exception()  # type: ignore[misc]
 
 
-async def _start(send: Send, response: aiohttp.ClientResponse) -> None:
+async def _start(send: Send, response: aiohttp.ClientResponse, keep_length: bool = False) -> None:
+    """Send vLLM's status and headers, less hop-by-hop ones. Its Content-Length is kept for
+    bodies relayed byte for byte (a short body then cannot pass as complete)."""
     named = _connection_tokens(response.raw_headers)
     headers = [
         (k.lower(), v)
         for k, v in response.raw_headers
-        if k.lower() not in NOT_RETURNED and k.lower() not in named
+        if (k.lower() not in NOT_RETURNED or (keep_length and k.lower() == b"content-length"))
+        and k.lower() not in named
     ]
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
 

@@ -126,7 +126,7 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--body-timeout",
         "MLA_SERVE_BODY_TIMEOUT",
         float,
-        "pass-through: the client's whole request body, 408 after (60 s)",
+        "pass-through: longest silence while reading a request body, 408 after (60 s)",
     ),
     ("--max-header-bytes", "MLA_SERVE_MAX_HEADER_BYTES", int, "request line + headers (32 KiB)"),
     ("--max-headers", "MLA_SERVE_MAX_HEADERS", int, "request headers, 431 past it (100)"),

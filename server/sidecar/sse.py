@@ -28,6 +28,15 @@ def last_event_end(buffer: bytes) -> int:
     return end
 
 
+def first_event_end(buffer: bytes) -> int:
+    """The index just past the first event end in `buffer`, or 0 if there is none."""
+    if b"\r" not in buffer:
+        cut = buffer.find(b"\n\n")
+        return cut + 2 if cut >= 0 else 0
+    found = _EVENT_END.search(buffer)
+    return found.end() if found is not None else 0
+
+
 def split_events(block: bytes) -> list[tuple[bytes, bytes]]:
     """Complete events in `block` (which ends at an event end): (raw bytes, event text)."""
     if b"\r" not in block:
@@ -75,7 +84,7 @@ class Splitter:
         if self.skipping:
             tail = self._tail()
             joined = tail + data
-            cut = last_event_end(joined)
+            cut = first_event_end(joined)
             if cut == 0:
                 self.pieces = [joined[-3:]]
                 return data, b""
