@@ -72,9 +72,17 @@ class FakeVllm:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def shutdown() -> None:
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()
 
     def paths(self) -> list[str]:
         return [seen.target for seen in self.seen]
@@ -104,9 +112,9 @@ class FakeVllm:
             return await _write(writer, 200, b"", "application/json")
         if path == "/version":
             return await _json(writer, 200, {"version": VERSION})
-        if path.startswith("/v1/") and self.api_key is not None:
-            if headers.get("authorization") != f"Bearer {self.api_key}":
-                return await _json(writer, 401, {"error": "Unauthorized"})  # vLLM's middleware
+        key = self.api_key
+        if path.startswith("/v1/") and key and headers.get("authorization") != f"Bearer {key}":
+            return await _json(writer, 401, {"error": "Unauthorized"})  # vLLM's middleware
         if path == "/v1/models":
             return await _json(writer, 200, model_list(self.models, 70000))
         if path not in OPENAI:
