@@ -5,6 +5,7 @@ Each test starts its own `mla-serve sidecar` (real CLI) with the flags under tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -191,10 +192,8 @@ def test_connection_flood_leaves_the_admin_port_alone(start_sidecar, fake, attac
         refused = 0
         for sock in socks:
             sock.settimeout(0.05)
-            try:
+            with contextlib.suppress(TimeoutError, OSError):
                 refused += b" 503 " in sock.recv(200)
-            except (TimeoutError, OSError):
-                pass
         livez = httpx.get(f"{sidecar.admin}/livez", timeout=5).status_code
     finally:
         for sock in socks:
