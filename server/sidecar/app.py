@@ -175,7 +175,8 @@ class Router:
             return
         server = scope.get("server") or ("", 0)
         if self.admin_port is not None:
-            if server[1] == self.admin_port:
+            # /livez says nothing but "running": the image's HEALTHCHECK finds it on --port.
+            if server[1] == self.admin_port or scope["path"] == "/livez":
                 await self.admin(scope, receive, send)
             else:
                 await self.proxy(scope, receive, send)

@@ -125,7 +125,7 @@ TRAVERSALS = [
     "/v1/../metrics", "/v1/%2e%2e/sleep", "/v1/../scale_elastic_ep", "/v1/%2E%2E/metrics",
     "/v1/..%2fmetrics", "/v1/%2e%2e%2fsleep", "/v1//../metrics", "/v1/./../collective_rpc",
     "/v1/chat/completions/../../sleep", "/v1/%252e%252e/sleep", "/v1/load_lora_adapter",
-    "/v1/../v1/../reset_prefix_cache", "//metrics", "/metrics", "/status", "/readyz", "/livez",
+    "/v1/../v1/../reset_prefix_cache", "//metrics", "/metrics", "/status", "/readyz",
     "/v1/models/../../pause", "/v1/chat/completions%00", "/sleep?level=1", "/v1%2f..%2fmetrics",
 ]  # fmt: skip
 
