@@ -198,13 +198,19 @@ class Proxy:
         if path is None:
             await self.refuse(send, Refused(404, "no such route", "not_found_error"))
             return
+        collector = None
         if scope.get("http_version") == "1.0":
-            send = Http10Sender(send, self.settings.http10_max_response_bytes)
-        with contextlib.suppress(ClientGone):  # nothing to answer, nobody to answer to
-            try:
-                await self._handle(scope, path, receive, send)
-            except Refused as refused:
-                await self.refuse(send, refused)
+            limit = self.settings.http10_max_response_bytes
+            send = collector = Http10Sender(send, limit, self.budget)
+        try:
+            with contextlib.suppress(ClientGone):  # nothing to answer, nobody to answer to
+                try:
+                    await self._handle(scope, path, receive, send)
+                except Refused as refused:
+                    await self.refuse(send, refused)
+        finally:
+            if collector is not None:
+                collector.release()
 
     async def refuse(self, send: Send, refused: Refused) -> None:
         self.metrics.refused.labels(str(refused.status)).inc()
@@ -567,16 +573,23 @@ async def _respond(send: Send, status: int, body: bytes) -> None:
 
 class Http10Sender:
     """HTTP/1.0 has no chunked encoding: a response without a length is collected (up to a
-    cap) and sent with one. uvicorn's httptools protocol would send it chunked."""
+    cap, and within the in-flight byte budget) and sent with one. uvicorn's httptools
+    protocol would send it chunked."""
 
-    def __init__(self, send: Send, limit: int) -> None:
+    def __init__(self, send: Send, limit: int, budget: ByteBudget) -> None:
         self.send = send
         self.limit = limit
+        self.budget = budget
         self.start: Message | None = None
         self.parts: list[bytes] = []
         self.size = 0
         self.direct = False
         self.finished = False
+
+    def release(self) -> None:
+        self.budget.give(self.size)
+        self.size = 0
+        self.parts = []
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -590,9 +603,15 @@ class Http10Sender:
             await self.send(message)
             return
         body = message.get("body", b"")
+        if self.size + len(body) > self.limit or not self.budget.take(len(body)):
+            if self.start is not None and not self.finished:
+                self.finished = True
+                status = 503
+                error = error_body(status, "the response is too large to send to an HTTP/1.0 "
+                                   "client now; use HTTP/1.1", "server_busy")  # fmt: skip
+                await _respond(self.send, status, error)
+            raise Aborted("an HTTP/1.0 response could not be collected")
         self.size += len(body)
-        if self.size > self.limit:
-            raise Aborted(f"an HTTP/1.0 response over {self.limit} bytes cannot be framed")
         self.parts.append(body)
         if not message.get("more_body"):
             await self._flush()
