@@ -417,6 +417,13 @@ class Proxy:
     ) -> tuple[bytes, bool]:
         """Feed complete SSE events to the classifier; return the bytes to forward, and
         whether `[DONE]` was among them."""
+        if (
+            events.startswith(b"data: {")
+            and events.find(b"\n") == len(events) - 2
+            and events.endswith(b"\n\n")
+            and b"\r" not in events
+        ):  # vLLM's shape, one event per read: no splitting, no list
+            return self._one(events, completion, strip_usage), False
         dropped = False
         done = False
         kept: list[bytes] = []
@@ -443,6 +450,20 @@ class Proxy:
                 continue
             kept.append(raw)
         return (b"".join(kept) if dropped else events), done
+
+    def _one(self, event: bytes, completion: Completion, strip_usage: bool) -> bytes:
+        """One `data: {...}\\n\\n` event: classify it; return it, or nothing if dropped."""
+        try:
+            chunk = json.loads(event[6:])
+            if not isinstance(chunk, dict):
+                raise ValueError("not an object")
+            completion.add_chunk(chunk)
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            self.metrics.unparsed.inc()
+            return event
+        if strip_usage and not chunk.get("choices") and chunk.get("usage"):
+            return b""
+        return event
 
 
 def inspect(request: Request, max_values: int) -> None:
@@ -501,16 +522,49 @@ async def _pump(
 ) -> None:
     """Hand each read of the body to `each`; TimeoutError when vLLM is silent for `idle` s.
     The clock runs only while waiting on vLLM, not while the client is being written to."""
-    loop = asyncio.get_running_loop()
+    guard = _IdleGuard(idle)
     content = response.content
-    async with asyncio.timeout(None) as guard:
+    clock = guard.loop.time
+    try:
         while True:
-            guard.reschedule(loop.time() + idle)
+            guard.since = clock()
+            guard.waiting = True
             data = await content.readany()
-            guard.reschedule(None)
+            guard.waiting = False
             if not data:
                 return
             await each(data)
+    except asyncio.CancelledError:
+        if guard.fired and guard.task.uncancel() == 0:
+            raise TimeoutError from None
+        raise
+    finally:
+        guard.handle.cancel()
+
+
+class _IdleGuard:
+    """One timer per response body, not one per read: it wakes every `idle` seconds and
+    cancels the reading task only if the current wait on vLLM has lasted that long."""
+
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.since = self.loop.time()
+        self.waiting = False
+        self.fired = False
+        self.handle = self.loop.call_at(self.since + idle, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.waiting and now - self.since >= self.idle:
+            self.fired = True
+            self.task.cancel()
+            return
+        self.handle = self.loop.call_at((self.since if self.waiting else now) + self.idle,
+                                        self._check)  # fmt: skip
 
 
 def _why(error: BaseException) -> str:

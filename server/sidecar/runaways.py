@@ -61,7 +61,10 @@ def _count(value: Any) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-def _index(raw: dict[str, Any]) -> int:
+def _index(raw: Any) -> int:
+    """A choice's index; ValueError when the choice is not an object with a sane index."""
+    if type(raw) is not dict:
+        raise ValueError(f"choice {raw!r:.40} is not an object")
     index = raw.get("index", 0)
     if type(index) is not int or not 0 <= index < 4096:
         raise ValueError(f"choice index {index!r}")
@@ -112,11 +115,10 @@ class Completion:
 
 
 def _choices(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """The document's choices; ValueError when they are not what vLLM sends (a list of
-    objects), checked before any is counted."""
+    """The document's choices; ValueError when they are not what vLLM sends (a list)."""
     choices = document.get("choices") or []
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise ValueError("choices is not a list of objects")
+    if type(choices) is not list:
+        raise ValueError("choices is not a list")
     return choices
 
 
