@@ -290,7 +290,8 @@ class Proxy:
         self, scope: Scope, path: str, request: Request, send: Send
     ) -> aiohttp.ClientResponse | None:
         assert self._session is not None
-        url = URL.build(path=path, query_string=scope["query_string"].decode("latin-1"))
+        query = scope["query_string"].decode("latin-1")
+        url = URL.build(path=path, query_string=query, encoded=True)  # as the client sent it
         try:
             async with asyncio.timeout(self.settings.response_timeout):
                 return await self._session.request(
@@ -385,11 +386,12 @@ class Proxy:
 
         async def each(data: bytes) -> None:
             nonlocal done
-            out, events = splitter.feed(data)
+            out, events, after = splitter.feed(data)
             if events:
                 observed, finished = self._observe(events, completion, strip)
                 out += observed
                 done = done or finished
+            out += after
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
 

@@ -63,65 +63,65 @@ def data_of(event: bytes) -> bytes | None:
 
 
 class Splitter:
-    """Feed reads; get back complete event blocks, and bytes to pass on unparsed."""
+    """Feed reads; get back, in order: bytes to pass on unparsed, complete events to parse
+    (and pass on), and bytes to pass on unparsed after them."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.pieces: list[bytes] = []
         self.size = 0
         self.skipping = False  # inside an oversized event: forward until its end
+        self.tail = b""  # the last 3 bytes held or skipped: an event end may straddle reads
         self.oversized = 0
 
-    def feed(self, data: bytes) -> tuple[bytes, bytes]:
-        """(unparsed bytes to forward first, complete events to parse and forward)."""
+    def feed(self, data: bytes) -> tuple[bytes, bytes, bytes]:
         if not self.pieces and not self.skipping:
+            self.tail = b""
             cut = last_event_end(data)
             if cut == len(data):
-                return b"", data
+                return b"", data, b""
             if cut == 0:
                 return self._hold(b"", data)
             return self._hold(b"", data[cut:], data[:cut])
+        tail = self.tail
         if self.skipping:
-            tail = self._tail()
             joined = tail + data
             cut = first_event_end(joined)
             if cut == 0:
-                self.pieces = [joined[-3:]]
-                return data, b""
+                self.tail = joined[-3:]
+                return data, b"", b""
             cut = max(cut - len(tail), 0)
             self.skipping = False
-            self.pieces, self.size = [], 0
+            self.pieces, self.size, self.tail = [], 0, b""
             rest = data[cut:]
             inner = last_event_end(rest)
             if inner == 0:
                 return self._hold(data[:cut], rest)
             return self._hold(data[:cut], rest[inner:], rest[:inner])
-        tail = self._tail()
         if last_event_end(tail + data) <= len(tail):
             return self._hold(b"", data)
         buffer = b"".join(self.pieces) + data
-        self.pieces, self.size = [], 0
+        self.pieces, self.size, self.tail = [], 0, b""
         cut = last_event_end(buffer)
         return self._hold(b"", buffer[cut:], buffer[:cut])
 
-    def _tail(self) -> bytes:
-        return self.pieces[-1][-3:] if self.pieces else b""
-
-    def _hold(self, unparsed: bytes, partial: bytes, events: bytes = b"") -> tuple[bytes, bytes]:
+    def _hold(
+        self, before: bytes, partial: bytes, events: bytes = b""
+    ) -> tuple[bytes, bytes, bytes]:
+        after = b""
         if partial:
             self.pieces.append(partial)
             self.size += len(partial)
+            self.tail = (self.tail + partial)[-3:]
         if self.size > self.limit:  # too big to parse: pass it on as it is
             self.oversized += 1
-            unparsed += events + b"".join(self.pieces)
-            events = b""
+            after = b"".join(self.pieces)
             self.skipping = True
-            self.pieces = [self.pieces[-1][-3:]]
-            self.size = 0
-        return unparsed, events
+            self.pieces, self.size = [], 0
+        return before, events, after
 
     def rest(self) -> bytes:
         """What is left at the end of the stream (an unterminated event)."""
         left = b"" if self.skipping else b"".join(self.pieces)
-        self.pieces, self.size = [], 0
+        self.pieces, self.size, self.tail = [], 0, b""
         return left

@@ -14,7 +14,7 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 _CONFIG_MODE = re.compile(r"['\"]cudagraph_mode['\"]: <?(?:CUDAGraphMode\.)?([A-Z_]+)")
 _CONFIG_SIZES = re.compile(r"['\"]cudagraph_capture_sizes['\"]: \[([0-9, ]*)\]")
@@ -89,6 +89,7 @@ class LogFile:
         self.offset = 0
         self.identity: tuple[int, int] | None = None
         self.partial = b""
+        self.tail = b""  # the last bytes read, to notice a file rewritten in place
         self.skipping = False  # inside an over-long line
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -112,15 +113,25 @@ class LogFile:
         with self.path.open("rb") as handle:
             stat = os.fstat(handle.fileno())
             identity = (stat.st_dev, stat.st_ino)
-            if identity != self.identity or stat.st_size < self.offset:
+            if identity != self.identity or stat.st_size < self.offset or not self._same(handle):
                 self.identity, self.offset, self.partial, self.skipping = identity, 0, b"", False
+                self.tail = b""
             handle.seek(self.offset)
             while True:
                 data = handle.read(self.chunk)
                 if not data:
                     return
                 self.offset += len(data)
+                self.tail = (self.tail + data[-64:])[-64:]
                 self._lines(data)
+
+    def _same(self, handle: BinaryIO) -> bool:
+        """The bytes just before the offset are still those read there: not truncated and
+        rewritten past the offset between two refreshes."""
+        if not self.tail:
+            return True
+        handle.seek(self.offset - len(self.tail))
+        return handle.read(len(self.tail)) == self.tail
 
     def _lines(self, data: bytes) -> None:
         lines = data.split(b"\n")

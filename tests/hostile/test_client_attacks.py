@@ -148,6 +148,9 @@ def test_path_traversal_reaches_no_admin_route(sidecar, fake, attack):
     check.figures["statuses"] = statuses
     models = httpx.get(f"{sidecar.url}/v1/models")
     check.check(models.status_code == 200 and models.json()["data"][0]["id"] == MODEL, "models")
+    query = "/v1/models?x=%2F&y=a+b&z=%25"  # the query string goes on as the client wrote it
+    check.check(exchange(sidecar.port, get(query)).status == 200, "query refused")
+    check.check(fake.seen[-1].target == query, f"vLLM saw {fake.seen[-1].target}")
     check.done()
 
 
