@@ -102,6 +102,14 @@ class _Guard:
             self.transport.write(_reply(408, "Request Timeout", message))
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """Malformed HTTP (smuggling, bad chunks, NUL bytes): an OpenAI-style JSON 400, as
+        every other refusal, instead of uvicorn's plain text."""
+        self._head_done()
+        if not self.transport.is_closing():
+            self.transport.write(_reply(400, "Bad Request", msg))
+            self.transport.close()
+
     def _head_fed(self, size: int) -> bool:
         """Count header bytes; False (and answered 431, closed) past the limit."""
         if not self._in_head:

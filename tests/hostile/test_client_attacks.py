@@ -279,16 +279,20 @@ def test_slow_headers_and_stalled_bodies_time_out(sidecar, attack):
 
 def test_request_smuggling_and_oversize(sidecar, attack):
     """Held before; kept so a regression shows: CL+TE, duplicate CL, 100 MB body."""
-    check = attack("request smuggling (CL+TE, duplicate CL) and a 100 MB body", "1")
+    check = attack("request smuggling (CL+TE, duplicate CL), NUL byte, a 100 MB body", "1")
     body = json.dumps(ask("hi")).encode()
     smuggle = post("/v1/chat/completions", body, "Transfer-Encoding: chunked")
     double = post("/v1/chat/completions", body, "Content-Length: 5")
     huge = post("/v1/chat/completions", b"", "X-Pad: 1").replace(
         b"Content-Length: 0", f"Content-Length: {100 * MiB}".encode()
     )
-    statuses = [exchange(sidecar.port, data).status for data in (smuggle, double, huge)]
+    nul = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n"
+    replies = [exchange(sidecar.port, data) for data in (smuggle, double, huge, nul)]
+    statuses = [reply.status for reply in replies]
     check.figures["statuses"] = statuses
     check.check(statuses[:2] == [400, 400], f"smuggling: {statuses[:2]}")
+    check.check(statuses[3] == 400, f"NUL in a header: {statuses[3]}")
+    check.check(all(_openai_error(r) for r in replies), "a refusal that is not OpenAI JSON")
     check.check(statuses[2] == 413, f"100 MB: {statuses[2]}")
     check.done()
 
