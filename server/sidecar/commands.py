@@ -11,8 +11,9 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     sidecar = commands.add_parser(
         "sidecar",
         help="serve health, status, metrics and the OpenAI pass-through next to vLLM",
-        description="Serve /livez /readyz /startupz /status /metrics next to a vLLM server. "
-        "Every flag can also be set by the environment variable named in its help.",
+        description="Serve vLLM's OpenAI routes (--port) and /livez /readyz /startupz /status "
+        "/metrics (--admin-port) next to a vLLM server. Every flag can also be set by the "
+        "environment variable named in its help.",
     )
     settings_.add_arguments(sidecar)
     sidecar.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))

@@ -96,7 +96,7 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--stream-idle-timeout",
         "MLA_SERVE_STREAM_IDLE_TIMEOUT",
         float,
-        "pass-through: longest gap between stream chunks (300 s)",
+        "pass-through: longest silence in a response body after its headers (300 s)",
     ),
     (
         "--max-body-bytes",
