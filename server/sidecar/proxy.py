@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from yarl import URL
 
 from server.sidecar import sse
@@ -126,7 +126,14 @@ class ByteBudget:
 
 
 class ProxyMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, budget: ByteBudget) -> None:
+        self.buffered = Gauge(
+            "mla_serve_buffered_bytes",
+            "Bytes the pass-through holds now (request bodies, partial events, bodies kept to "
+            "classify), against --max-inflight-body-bytes.",
+            registry=registry,
+        )
+        self.buffered.set_function(lambda: budget.used)
         self.refused = Counter(
             "mla_serve_refused_requests",
             "Requests the pass-through answered itself, by HTTP status.",
@@ -165,7 +172,9 @@ class Proxy:
         self.ledger = ledger
         self.routes = Routes(settings.routes)
         self.budget = ByteBudget(settings.max_inflight_body_bytes)
-        self.metrics = ProxyMetrics(registry if registry is not None else CollectorRegistry())
+        self.metrics = ProxyMetrics(
+            registry if registry is not None else CollectorRegistry(), self.budget
+        )
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -348,38 +357,46 @@ class Proxy:
         await _start(send, response, keep_length=True)
 
         async def each(data: bytes) -> None:
-            nonlocal size
+            nonlocal size, keep
             if keep:
                 size += len(data)
-                if size <= self.settings.max_event_bytes:
+                if size <= self.settings.max_event_bytes and self.budget.take(len(data)):
                     kept.append(data)
+                else:  # too big, or no room now: relayed, not classified
+                    keep = False
+                    self._forget(kept)
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         try:
-            await _pump(response, self.settings.idle_timeout, each)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            self.metrics.truncated.inc()
-            raise Aborted(f"vLLM's response broke off after its headers: {_why(error)}") from None
-        await send({"type": "http.response.body", "body": b""})
-        if keep and request is not None:
+            try:
+                await _pump(response, self.settings.idle_timeout, each)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                self.metrics.truncated.inc()
+                why = _why(error)
+                raise Aborted(f"vLLM's response broke off after its headers: {why}") from None
+            await send({"type": "http.response.body", "body": b""})
+            if request is None or response.status != 200:
+                return
             completion = Completion()
             try:
-                if size > self.settings.max_event_bytes:
-                    raise ValueError("too big to classify")
+                if not keep:
+                    raise ValueError("not kept to classify")
                 document = json.loads(b"".join(kept))
-                del kept
                 if not isinstance(document, dict):
                     raise ValueError("not an object")
                 completion.add_body(document)
             except (ValueError, TypeError, AttributeError, RecursionError):
                 self.metrics.unparsed.inc()
                 return
+            del document
             self.ledger.record(completion, request.model)
+        finally:
+            self._forget(kept)  # the budget back, whatever happened
 
     async def _stream(self, response: aiohttp.ClientResponse, send: Send, request: Request) -> None:
         await _start(send, response)
         completion = Completion()
-        splitter = sse.Splitter(self.settings.max_event_bytes)
+        splitter = sse.Splitter(self.settings.max_event_bytes, self.budget.take, self.budget.give)
         done = False
         failure: str | None = None
         strip = request.strip_usage
@@ -401,6 +418,9 @@ class Proxy:
             failure = f"vLLM sent nothing for {self.settings.idle_timeout:g} s"
         except aiohttp.ClientError as error:
             failure = f"vLLM broke off the stream: {_why(error)}"
+        except BaseException:
+            splitter.rest()  # gives its bytes back to the budget
+            raise
         if splitter.oversized:
             self.metrics.unparsed.inc(splitter.oversized)
         tail = splitter.rest()
@@ -413,6 +433,10 @@ class Proxy:
             tail += _error_event(failure)
         await send({"type": "http.response.body", "body": tail})
         self.ledger.record(completion, request.model)
+
+    def _forget(self, kept: list[bytes]) -> None:
+        self.budget.give(sum(len(piece) for piece in kept))
+        kept.clear()
 
     def _observe(
         self, events: bytes, completion: Completion, strip_usage: bool

@@ -10,6 +10,7 @@ up to `limit` bytes; past that it is forwarded as it comes and not parsed.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 # An empty line: two line terminators in a row. A lone CR must not be the first half of a
 # CRLF, or "data: x\r\nmore" would count as an event end.
@@ -66,8 +67,17 @@ class Splitter:
     """Feed reads; get back, in order: bytes to pass on unparsed, complete events to parse
     (and pass on), and bytes to pass on unparsed after them."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(
+        self,
+        limit: int,
+        take: Callable[[int], bool] | None = None,
+        give: Callable[[int], None] | None = None,
+    ) -> None:
+        """`take`/`give`: a byte budget shared with other requests; a partial event that
+        does not fit it is forwarded unparsed, like one over `limit`."""
         self.limit = limit
+        self.take = take
+        self.give = give
         self.pieces: list[bytes] = []
         self.size = 0
         self.skipping = False  # inside an oversized event: forward until its end
@@ -101,7 +111,7 @@ class Splitter:
         if last_event_end(tail + data) <= len(tail):
             return self._hold(b"", data)
         buffer = b"".join(self.pieces) + data
-        self.pieces, self.size, self.tail = [], 0, b""
+        self._drop()
         cut = last_event_end(buffer)
         return self._hold(b"", buffer[cut:], buffer[:cut])
 
@@ -109,19 +119,29 @@ class Splitter:
         self, before: bytes, partial: bytes, events: bytes = b""
     ) -> tuple[bytes, bytes, bytes]:
         after = b""
+        over = False
         if partial:
             self.pieces.append(partial)
-            self.size += len(partial)
             self.tail = (self.tail + partial)[-3:]
-        if self.size > self.limit:  # too big to parse: pass it on as it is
+            if self.take is not None and not self.take(len(partial)):
+                over = True
+            else:
+                self.size += len(partial)
+        if over or self.size > self.limit:  # too big to parse: pass it on as it is
             self.oversized += 1
             after = b"".join(self.pieces)
-            self.skipping = True
-            self.pieces, self.size = [], 0
+            tail = self.tail
+            self._drop()
+            self.skipping, self.tail = True, tail
         return before, events, after
+
+    def _drop(self) -> None:
+        if self.give is not None and self.size:
+            self.give(self.size)
+        self.pieces, self.size, self.tail = [], 0, b""
 
     def rest(self) -> bytes:
         """What is left at the end of the stream (an unterminated event)."""
         left = b"" if self.skipping else b"".join(self.pieces)
-        self.pieces, self.size, self.tail = [], 0, b""
+        self._drop()
         return left

@@ -87,6 +87,11 @@ class FakeVllm:
     def paths(self) -> list[str]:
         return [seen.target for seen in self.seen]
 
+    def last(self, prefix: str) -> Seen:
+        """The latest request whose target starts with `prefix` (the sidecars' own /health,
+        /v1/models and /version polls interleave with the requests under test)."""
+        return next(seen for seen in reversed(self.seen) if seen.target.startswith(prefix))
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while await self._one(reader, writer):

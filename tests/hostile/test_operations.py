@@ -163,7 +163,7 @@ def test_trusted_proxy_forwarded_for_is_appended(start_sidecar, fake, attack):
     sidecar = start_sidecar(fake.url, "--trusted-proxies", "127.0.0.0/8")
     reply = exchange(sidecar.port, post("/v1/chat/completions", json.dumps(ask("hi")).encode(),
                                         "X-Forwarded-For: 203.0.113.9"))  # fmt: skip
-    seen = fake.seen[-1].headers.get("x-forwarded-for")
+    seen = fake.last("/v1/chat/completions").headers.get("x-forwarded-for")
     check.figures["upstream_xff"] = seen
     check.check(reply.status == 200 and seen == "203.0.113.9, 127.0.0.1", f"XFF {seen}")
     check.done()

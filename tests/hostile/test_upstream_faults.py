@@ -162,4 +162,6 @@ def test_no_traceback_after_upstream_faults(sidecar, attack):
     check = attack("no traceback in the sidecar's log after the upstream faults", "8")
     text = sidecar.log.read_text(errors="replace")
     check.check("Traceback" not in text, text[text.find("Traceback") :][:800])
+    held = sidecar.metric("mla_serve_buffered_bytes")
+    check.check(held == 0, f"{held} bytes still counted as buffered")
     check.done()
