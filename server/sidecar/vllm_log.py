@@ -13,6 +13,7 @@ import copy
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -134,13 +135,38 @@ class LogFile:
         return handle.read(len(self.tail)) == self.tail
 
     def _lines(self, data: bytes) -> None:
-        lines = data.split(b"\n")
-        lines[0] = self.partial + lines[0]
-        self.partial = lines.pop()
-        for line in lines:
-            if self.skipping:
+        """Feed the complete lines of `data` that can matter. Lines are found by searching
+        the bytes for the parser's keywords (C speed, GIL released to the event loop between
+        chunks), not by splitting and scanning every line in Python."""
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self.partial += data
+        else:
+            block = self.partial + data[: cut + 1]
+            self.partial = data[cut + 1 :]
+            start = 0
+            if self.skipping:  # the rest of an over-long line
+                start = block.find(b"\n") + 1
                 self.skipping = False
-                continue
-            self.parser.feed(line.decode("utf-8", errors="replace"))
+            for begin, end in _matching_lines(block, start):
+                if end - begin <= self.max_line:
+                    self.parser.feed(block[begin:end].decode("utf-8", errors="replace"))
         if len(self.partial) > self.max_line:
             self.partial, self.skipping = b"", True
+        time.sleep(0)  # let the event loop's thread run
+
+
+KEYWORDS = (b"udagraph", b"Overriding", b"Graph capturing")  # every line Parser.feed uses
+
+
+def _matching_lines(block: bytes, start: int) -> list[tuple[int, int]]:
+    """(begin, end) of each line of `block` from `start` holding a keyword, in order."""
+    found: set[tuple[int, int]] = set()
+    for keyword in KEYWORDS:
+        at = block.find(keyword, start)
+        while at >= 0:
+            begin = block.rfind(b"\n", start, at) + 1 or start
+            end = block.find(b"\n", at)
+            found.add((max(begin, start), end))
+            at = block.find(keyword, end)
+    return sorted(found)
