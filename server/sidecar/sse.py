@@ -102,7 +102,8 @@ class Splitter:
                 return data, b"", b""
             cut = max(cut - len(tail), 0)
             self.skipping = False
-            self.pieces, self.size, self.tail = [], 0, b""
+            self.pieces.clear()
+            self.size, self.tail = 0, b""
             rest = data[cut:]
             inner = last_event_end(rest)
             if inner == 0:
@@ -138,7 +139,8 @@ class Splitter:
     def _drop(self) -> None:
         if self.give is not None and self.size:
             self.give(self.size)
-        self.pieces, self.size, self.tail = [], 0, b""
+        self.pieces.clear()
+        self.size, self.tail = 0, b""
 
     def rest(self) -> bytes:
         """What is left at the end of the stream (an unterminated event)."""
