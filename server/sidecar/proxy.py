@@ -62,7 +62,10 @@ HOP_BY_HOP = frozenset(
         b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade",
     }
 )  # fmt: skip
-NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-forwarded-for"}
+# X-Forwarded-For and -Proto are what uvicorn (so vLLM) believes about the client: set here.
+NOT_FORWARDED = HOP_BY_HOP | {
+    b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-proto"
+}  # fmt: skip
 NOT_RETURNED = HOP_BY_HOP | {b"content-length"}
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -325,19 +328,24 @@ class Proxy:
         named = _connection_tokens(scope["headers"])
         headers: list[tuple[str, str]] = []
         forwarded_for: list[str] = []
+        proto: str | None = None
         for key, value in scope["headers"]:
             name = key.lower()
             if name == b"x-forwarded-for":
                 forwarded_for.append(value.decode("latin-1"))
+            elif name == b"x-forwarded-proto":
+                proto = value.decode("latin-1")
             elif name not in NOT_FORWARDED and name not in named and not name.startswith(b"proxy-"):
                 headers.append((name.decode("latin-1"), value.decode("latin-1")))
         peer = (scope.get("client") or ("", 0))[0]
+        trusted = bool(peer) and self._trusts(peer)
         if peer:
-            if forwarded_for and self._trusts(peer):
+            if forwarded_for and trusted:
                 forwarded_for.append(peer)
             else:
                 forwarded_for = [peer]
             headers.append(("x-forwarded-for", ", ".join(forwarded_for)))
+        headers.append(("x-forwarded-proto", proto if proto and trusted else scope["scheme"]))
         return headers
 
     def _trusts(self, peer: str) -> bool:

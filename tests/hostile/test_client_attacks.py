@@ -249,7 +249,7 @@ def test_hop_by_hop_and_forwarded_for(sidecar, fake, attack):
         post("/v1/chat/completions", json.dumps(ask("[hopheaders] hi")).encode(),
              "Connection: X-Secret, keep-alive", "X-Secret: 1", "Keep-Alive: 300", "TE: trailers",
              "Trailer: X-T", "Proxy-Authorization: Basic eDp5", "Proxy-Foo: 1",
-             "X-Forwarded-For: 6.6.6.6", "X-Request-Id: trace-1"),
+             "X-Forwarded-For: 6.6.6.6", "X-Forwarded-Proto: https", "X-Request-Id: trace-1"),
     )  # fmt: skip
     sent = fake.last("/v1/chat/completions").headers
     leaked = sorted({"x-secret", "keep-alive", "te", "trailer", "proxy-authorization",
@@ -257,6 +257,7 @@ def test_hop_by_hop_and_forwarded_for(sidecar, fake, attack):
     check.figures.update(upstream_xff=sent.get("x-forwarded-for"), leaked_upstream=leaked)
     check.check(not leaked, f"forwarded to vLLM: {leaked}")
     check.check(sent.get("x-forwarded-for") == "127.0.0.1", f"XFF {sent.get('x-forwarded-for')}")
+    check.check(sent.get("x-forwarded-proto") == "http", "X-Forwarded-Proto taken from the client")
     check.check(sent.get("x-request-id") == "trace-1", "an end-to-end header was dropped")
     check.check(reply.status == 200, f"status {reply.status}")
     check.check(reply.header("x-internal") is None, "X-Internal (named in Connection) returned")

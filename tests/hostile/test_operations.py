@@ -162,10 +162,13 @@ def test_trusted_proxy_forwarded_for_is_appended(start_sidecar, fake, attack):
     check = attack("X-Forwarded-For from a trusted proxy (--trusted-proxies)", "13")
     sidecar = start_sidecar(fake.url, "--trusted-proxies", "127.0.0.0/8")
     reply = exchange(sidecar.port, post("/v1/chat/completions", json.dumps(ask("hi")).encode(),
-                                        "X-Forwarded-For: 203.0.113.9"))  # fmt: skip
-    seen = fake.last("/v1/chat/completions").headers.get("x-forwarded-for")
+                                        "X-Forwarded-For: 203.0.113.9",
+                                        "X-Forwarded-Proto: https"))  # fmt: skip
+    headers = fake.last("/v1/chat/completions").headers
+    seen = headers.get("x-forwarded-for")
     check.figures["upstream_xff"] = seen
     check.check(reply.status == 200 and seen == "203.0.113.9, 127.0.0.1", f"XFF {seen}")
+    check.check(headers.get("x-forwarded-proto") == "https", "the proxy's X-Forwarded-Proto")
     check.done()
 
 
