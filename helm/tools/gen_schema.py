@@ -253,6 +253,7 @@ def schema() -> Schema:
                 "anyOf": [{"maxItems": 0}, {"contains": {"const": "mla_serve"}}],
             },
             "disableAccessLogForEndpoints": string(),
+            "apiKey": obj({"secretName": string(), "secretKey": string(minLength=1)}),
             "extraArgs": {"type": "array", "items": string()},
             "env": ENV_LIST,
             "resources": RESOURCES,
@@ -333,8 +334,20 @@ def schema() -> Schema:
             "sidecar": obj(
                 {
                     "port": integer(1, maximum=65535),
+                    "adminPort": integer(1, maximum=65535),
                     "passthrough": BOOL,
                     "manifest": string(pattern=r"^/"),
+                    "extraRoutes": {
+                        "type": "array",
+                        "items": string(pattern=r"^/[A-Za-z0-9._~*/-]*$"),
+                    },
+                    "trustedProxies": {"type": "array", "items": string(minLength=1)},
+                    "drain": obj(
+                        {
+                            "delaySeconds": integer(0, maximum=600),
+                            "timeoutSeconds": integer(1, maximum=3600),
+                        }
+                    ),
                     "canary": obj(
                         {
                             "enabled": BOOL,

@@ -20,7 +20,7 @@ import aiohttp
 
 from server.sidecar.loops import LoopConfig, final_loops
 from server.sidecar.runaways import Completion, Ledger
-from server.sidecar.vllm_monitor import VllmMonitor
+from server.sidecar.vllm_monitor import VllmMonitor, auth_headers
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Canary:
     timeout: float
     ledger: Ledger
     monitor: VllmMonitor
+    api_key: str | None = None
     last_round: dict[str, Any] = field(default_factory=dict)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -66,7 +67,12 @@ class Canary:
         }
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with session.post("/v1/chat/completions", json=body, timeout=timeout) as response:
+            async with session.post(
+                "/v1/chat/completions",
+                json=body,
+                timeout=timeout,
+                headers=auth_headers(self.api_key),
+            ) as response:
                 payload = await response.read()
                 if response.status != 200:
                     raise ValueError(f"HTTP {response.status}")
@@ -75,7 +81,8 @@ class Canary:
                 completion.add_body(body)
                 for index in final_loops(body, LoopConfig()):  # the runaway's cause
                     completion.choices[index].loop = True
-        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError,
+                RecursionError):  # fmt: skip
             self.ledger.completions.labels(model, "error").inc()
             return None
         return self.ledger.record(completion, model)

@@ -42,18 +42,17 @@ class Rank:
         return self.values.get(figure)
 
 
-def read(state_dir: Path | None, log_file: Path | None) -> list[Rank]:
-    """Every rank's figures; empty when neither source has anything yet."""
+def read(state_dir: Path | None, log: vllm_log.LogFile | None) -> list[Rank]:
+    """Every rank's figures; empty when neither source has anything yet.
+
+    The log's figures are those of its last `refresh` (done in the background, off the
+    event loop): reading them here costs no I/O."""
     if state_dir is not None and state_dir.is_dir():
         ranks = state.read_all(state_dir)
         if ranks:
             return [_rank(raw, "plugin") for raw in ranks]
-    if log_file is not None:
-        try:
-            text = log_file.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return []
-        return [_rank(raw, "log") for raw in vllm_log.parse(text)]
+    if log is not None:
+        return [_rank(raw, "log") for raw in log.figures]
     return []
 
 

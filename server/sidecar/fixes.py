@@ -28,8 +28,24 @@ class FixReport:
         return self.document.get("vllm_version")
 
 
+def failed(path: Path | None, error: BaseException) -> FixReport:
+    """The report when verification itself went wrong: not verified (fail closed)."""
+    reason = f"verification failed: {type(error).__name__}: {error}"
+    return FixReport(path=path, checked_at=time.time(), verified=False, error=reason)
+
+
 def check(path: Path | None, vllm_tree: Path | None = None) -> FixReport:
-    """Read and verify the manifest against `vllm_tree` (default: installed); never raises."""
+    """Read and verify the manifest against `vllm_tree` (default: installed); never raises.
+
+    A manifest that cannot be verified here, or a verification that raises (a probe
+    failing on drifted code), reports `verified=False` with the reason."""
+    try:
+        return _check(path, vllm_tree)
+    except Exception as error:
+        return failed(path, error)
+
+
+def _check(path: Path | None, vllm_tree: Path | None) -> FixReport:
     if path is None:
         return FixReport(path=None, error="no manifest configured (--manifest)")
     now = time.time()
@@ -41,7 +57,7 @@ def check(path: Path | None, vllm_tree: Path | None = None) -> FixReport:
         found = tree.locate(vllm_tree)
         drifts = manifest.verify(found, document, catalog.load())
     except (tree.TreeError, catalog.CatalogError) as error:
-        return FixReport(path, now, None, f"cannot verify here: {error}", (), document)
+        return FixReport(path, now, False, f"cannot verify here: {error}", (), document)
     return FixReport(
         path=path,
         checked_at=now,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,27 @@ class Verdict:
         return {"status": "ok" if self.ok else "fail", "failing": failing, "checks": self.checks}
 
 
-def readiness(vllm: VllmSnapshot, fixes: FixReport, model: str | None) -> Verdict:
-    """Ready only when vLLM is healthy, serves the model, and the fixes verify."""
+def readiness(
+    vllm: VllmSnapshot,
+    fixes: FixReport,
+    model: str | None,
+    stale_after: float | None = None,
+    monitor_error: str | None = None,
+) -> Verdict:
+    """Ready only when vLLM is healthy (checked recently), serves the model, and the fixes
+    verify."""
     checks: dict[str, dict[str, Any]] = {}
-    checks["vllm_health"] = {
-        "ok": vllm.up,
-        "detail": "vLLM /health is 200" if vllm.up else (vllm.error or "not checked yet"),
-    }
+    age = None if vllm.checked_at is None else time.time() - vllm.checked_at
+    if stale_after is not None and age is not None and age > stale_after:
+        why = f"vLLM last checked {age:.0f} s ago" + (
+            f" (monitor: {monitor_error})" if monitor_error else ""
+        )
+        checks["vllm_health"] = {"ok": False, "detail": why}
+    else:
+        checks["vllm_health"] = {
+            "ok": vllm.up,
+            "detail": "vLLM /health is 200" if vllm.up else (vllm.error or "not checked yet"),
+        }
     if model is None:
         listed = bool(vllm.models)
         detail = f"serving {', '.join(vllm.models)}" if listed else "no model listed"

@@ -54,11 +54,11 @@ def _fixes(report: FixReport) -> Iterator[Metric]:
     for fix in report.fixes:
         info.add_metric([str(fix["id"]), str(fix["status"]), str(report.vllm_version)], 1)
     yield info
-    if report.verified is not None:
+    if report.path is not None and report.checked_at is not None:  # fail closed: 0 unless verified
         yield _gauge(
             "mla_serve_manifest_verified",
             "1 when the patched vLLM files and probes match the fix manifest.",
-            int(report.verified),
+            int(report.verified is True),
         )
 
 

@@ -52,14 +52,29 @@ class Usage:
 
     @classmethod
     def of(cls, usage: Any) -> Usage:
+        """Counts as vLLM sends them; anything but a non-negative integer is left out."""
         if not isinstance(usage, dict):
             return cls()
-        details = usage.get("completion_tokens_details") or {}
+        details = usage.get("completion_tokens_details")
         return cls(
-            usage.get("prompt_tokens"),
-            usage.get("completion_tokens"),
-            details.get("reasoning_tokens") if isinstance(details, dict) else None,
+            _count(usage.get("prompt_tokens")),
+            _count(usage.get("completion_tokens")),
+            _count(details.get("reasoning_tokens")) if isinstance(details, dict) else None,
         )
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _index(raw: Any) -> int:
+    """A choice's index; ValueError when the choice is not an object with a sane index."""
+    if type(raw) is not dict:
+        raise ValueError(f"choice {raw!r:.40} is not an object")
+    index = raw.get("index", 0)
+    if type(index) is not int or not 0 <= index < 4096:
+        raise ValueError(f"choice index {index!r}")
+    return index
 
 
 @dataclass
@@ -74,8 +89,8 @@ class Completion:
     def add_chunk(self, chunk: dict[str, Any]) -> None:
         """A `chat.completion.chunk` or streamed `text_completion`."""
         self._header(chunk)
-        for raw in chunk.get("choices") or ():
-            choice = self.choices.setdefault(int(raw.get("index", 0)), Choice())
+        for raw in _choices(chunk):
+            choice = self.choices.setdefault(_index(raw), Choice())
             if isinstance(raw.get("delta"), dict):
                 choice.add_delta(raw["delta"])
             elif isinstance(raw.get("text"), str) and raw["text"].strip():
@@ -86,20 +101,31 @@ class Completion:
     def add_body(self, body: dict[str, Any]) -> None:
         """A non-streamed `chat.completion` or `text_completion`."""
         self._header(body)
-        for raw in body.get("choices") or ():
-            choice = self.choices.setdefault(int(raw.get("index", 0)), Choice())
+        for raw in _choices(body):
+            choice = self.choices.setdefault(_index(raw), Choice())
             message = raw.get("message")
             if isinstance(message, dict):
                 choice.add_delta(message)
             elif isinstance(raw.get("text"), str) and raw["text"].strip():
                 choice.visible = True
-            choice.finish_reason = raw.get("finish_reason") or choice.finish_reason
+            if raw.get("finish_reason"):
+                choice.finish_reason = str(raw["finish_reason"])
 
     def _header(self, document: dict[str, Any]) -> None:
-        self.id = self.id or document.get("id")
-        self.model = self.model or document.get("model")
+        if self.id is None and isinstance(document.get("id"), str):
+            self.id = document["id"]
+        if self.model is None and isinstance(document.get("model"), str):
+            self.model = document["model"]
         if document.get("usage"):
             self.usage = Usage.of(document["usage"])
+
+
+def _choices(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The document's choices; ValueError when they are not what vLLM sends (a list)."""
+    choices = document.get("choices") or []
+    if type(choices) is not list:
+        raise ValueError("choices is not a list")
+    return choices
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 from dataclasses import dataclass
@@ -12,12 +13,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the guard (and prometheus_client) load when the sidecar starts, not per CLI
     from server.sidecar.loops import LoopPolicy
 
+from server.sidecar import routes
+
 
 @dataclass(frozen=True)
 class Settings:
     vllm_url: str = "http://127.0.0.1:8000"
     host: str = "0.0.0.0"  # noqa: S104 - a sidecar serves the pod network
     port: int = 8080
+    # /livez /readyz /startupz /status /metrics. None (library use, tests): on `port` too;
+    # the CLI defaults to 8081, so the port a Service exposes carries only the pass-through.
+    admin_port: int | None = None
+    admin_host: str | None = None  # default: `host`
+    vllm_api_key: str | None = None  # vLLM's --api-key, for /v1/models and the canary
     state_dir: Path | None = None
     manifest: Path | None = None
     vllm_tree: Path | None = None  # the tree the manifest describes; the installed vLLM if unset
@@ -31,6 +39,17 @@ class Settings:
     upstream_timeout: float = 600.0
     stream_idle_timeout: float = 300.0
     max_body_bytes: int = 16 * 1024 * 1024
+    max_inflight_body_bytes: int = 64 * 1024 * 1024
+    max_json_values: int = 1_000_000
+    max_event_bytes: int = 4 * 1024 * 1024
+    body_timeout: float = 60.0
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    header_timeout: float = 30.0
+    max_connections: int = 1024
+    drain_timeout: float = 30.0
+    extra_routes: str | None = None  # comma-separated, `*` for one segment
+    trusted_proxies: str | None = None  # comma-separated addresses/CIDRs whose XFF is kept
     # The optional canary: a long-prefix prompt sent periodically, counted apart.
     canary_prompt_file: Path | None = None
     canary_model: str | None = None
@@ -51,10 +70,26 @@ class Settings:
         return _loop_policy(self)
 
 
+CLI_ADMIN_PORT = 8081
+
 FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--vllm-url", "MLA_SERVE_VLLM_URL", str, "vLLM's base URL (default http://127.0.0.1:8000)"),
     ("--host", "MLA_SERVE_HOST", str, "address to listen on (default 0.0.0.0)"),
-    ("--port", "MLA_SERVE_PORT", int, "port to listen on (default 8080)"),
+    ("--port", "MLA_SERVE_PORT", int, "pass-through port: vLLM's OpenAI routes only (8080)"),
+    (
+        "--admin-port",
+        "MLA_SERVE_ADMIN_PORT",
+        int,
+        "port of /livez /readyz /startupz /status /metrics (8081; the same as --port serves "
+        "both on one port)",
+    ),
+    ("--admin-host", "MLA_SERVE_ADMIN_HOST", str, "address of the admin port (default --host)"),
+    (
+        "--vllm-api-key",
+        "MLA_SERVE_VLLM_API_KEY",
+        str,
+        "vLLM's API key, sent on /v1/models checks and canary requests (prefer the env)",
+    ),
     ("--state-dir", "MLA_SERVE_STATE_DIR", Path, "directory the engine plugin writes to"),
     ("--manifest", "MLA_SERVE_MANIFEST", Path, "fix manifest to verify (the image's)"),
     ("--vllm-tree", "MLA_SERVE_VLLM_TREE", Path, "vLLM tree the manifest describes (installed)"),
@@ -78,13 +113,69 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--stream-idle-timeout",
         "MLA_SERVE_STREAM_IDLE_TIMEOUT",
         float,
-        "pass-through: longest gap between stream chunks (300 s)",
+        "pass-through: longest silence in a response body after its headers (300 s)",
     ),
     (
         "--max-body-bytes",
         "MLA_SERVE_MAX_BODY_BYTES",
         int,
         "pass-through: request size cap (16 MiB)",
+    ),
+    (
+        "--max-inflight-body-bytes",
+        "MLA_SERVE_MAX_INFLIGHT_BODY_BYTES",
+        int,
+        "pass-through: request body bytes held at once over all requests, 503 past it (64 MiB)",
+    ),
+    (
+        "--max-json-values",
+        "MLA_SERVE_MAX_JSON_VALUES",
+        int,
+        "pass-through: JSON values in a chat/completions body, 413 past it (1000000)",
+    ),
+    (
+        "--max-event-bytes",
+        "MLA_SERVE_MAX_EVENT_BYTES",
+        int,
+        "pass-through: largest response event/body classified; bigger ones pass unparsed (4 MiB)",
+    ),
+    (
+        "--body-timeout",
+        "MLA_SERVE_BODY_TIMEOUT",
+        float,
+        "pass-through: longest silence while reading a request body, 408 after (60 s)",
+    ),
+    ("--max-header-bytes", "MLA_SERVE_MAX_HEADER_BYTES", int, "request line + headers (32 KiB)"),
+    ("--max-headers", "MLA_SERVE_MAX_HEADERS", int, "request headers, 431 past it (100)"),
+    (
+        "--header-timeout",
+        "MLA_SERVE_HEADER_TIMEOUT",
+        float,
+        "seconds a client may take to send its request headers (30)",
+    ),
+    (
+        "--max-connections",
+        "MLA_SERVE_MAX_CONNECTIONS",
+        int,
+        "open connections per port, 503 past it (1024)",
+    ),
+    (
+        "--drain-timeout",
+        "MLA_SERVE_DRAIN_TIMEOUT",
+        float,
+        "on SIGTERM: stop accepting, finish in-flight requests for at most this long (30 s)",
+    ),
+    (
+        "--extra-routes",
+        "MLA_SERVE_EXTRA_ROUTES",
+        str,
+        "more vLLM paths to pass through, comma-separated, `*` for one segment",
+    ),
+    (
+        "--trusted-proxies",
+        "MLA_SERVE_TRUSTED_PROXIES",
+        str,
+        "addresses/CIDRs whose X-Forwarded-For is kept (appended to); others' is replaced",
     ),
     ("--canary-prompt-file", "MLA_SERVE_CANARY_PROMPT_FILE", Path, "canary prompt; off when unset"),
     ("--canary-model", "MLA_SERVE_CANARY_MODEL", str, "canary model (default: the first served)"),
@@ -162,16 +253,30 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
                 ) from None
         if value is not None:
             values[name] = value
+    values.setdefault("admin_port", CLI_ADMIN_PORT)
     settings = Settings(**values)  # type: ignore[arg-type]
     if not settings.vllm_url.startswith(("http://", "https://")):
         raise SettingsError(f"--vllm-url must be an http(s) URL, got {settings.vllm_url!r}")
     positive = ("poll_interval", "probe_timeout", "connect_timeout", "upstream_timeout",
                 "stream_idle_timeout", "max_body_bytes", "canary_interval", "canary_concurrency",
-                "canary_max_tokens", "loop_min_repeats", "loop_window_chars",
-                "loop_min_chars")  # fmt: skip
+                "canary_max_tokens", "max_inflight_body_bytes", "max_json_values",
+                "max_event_bytes", "body_timeout", "max_header_bytes", "max_headers",
+                "header_timeout", "max_connections", "drain_timeout", "loop_min_repeats",
+                "loop_window_chars", "loop_min_chars")  # fmt: skip
     for name in positive:
         if getattr(settings, name) <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive")
+    if settings.max_inflight_body_bytes < settings.max_body_bytes:
+        raise SettingsError("--max-inflight-body-bytes must be at least --max-body-bytes")
+    for name in ("port", "admin_port"):
+        port = getattr(settings, name)
+        if port is not None and not 0 < port < 65536:
+            raise SettingsError(f"--{name.replace('_', '-')} must be a TCP port, got {port}")
+    try:
+        extra_routes(settings)
+        trusted_proxies(settings)
+    except ValueError as error:
+        raise SettingsError(str(error)) from None
     if settings.canary_prompt_file is not None and not settings.canary_prompt_file.is_file():
         raise SettingsError(f"--canary-prompt-file {settings.canary_prompt_file} does not exist")
     settings.loop_policy()  # refuses unusable guard settings now, not at the first request
@@ -236,6 +341,20 @@ def _repetition_detection(text: str | None) -> dict[str, int] | None:
     if value.get("min_count", 0) < 2:
         raise SettingsError(f"{where}: min_count must be at least 2")
     return dict(value)
+
+
+def extra_routes(settings: Settings) -> tuple[str, ...]:
+    return routes.parse_extra(settings.extra_routes or "")
+
+
+def trusted_proxies(
+    settings: Settings,
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    items = [item.strip() for item in (settings.trusted_proxies or "").split(",") if item.strip()]
+    try:
+        return tuple(ipaddress.ip_network(item, strict=False) for item in items)
+    except ValueError as error:
+        raise ValueError(f"--trusted-proxies: {error}") from None
 
 
 class SettingsError(Exception):

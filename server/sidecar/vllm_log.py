@@ -9,43 +9,164 @@ on the mode wins. Rank comes from the worker prefix vLLM puts on each line
 
 from __future__ import annotations
 
+import copy
+import os
 import re
-from typing import Any
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
 
 _CONFIG_MODE = re.compile(r"['\"]cudagraph_mode['\"]: <?(?:CUDAGraphMode\.)?([A-Z_]+)")
 _CONFIG_SIZES = re.compile(r"['\"]cudagraph_capture_sizes['\"]: \[([0-9, ]*)\]")
 _SETTING = re.compile(r"setting cudagraph_mode=([A-Z_]+)")
 _OVERRIDE = re.compile(r"Overriding to (?:CUDAGraphMode\.)?([A-Z_]+)")
 _EAGER = "Cudagraph is disabled under eager mode"
-_CAPTURED = re.compile(r"Graph capturing finished in ([0-9.]+) secs, took ([0-9.]+) GiB")
+_CAPTURED = re.compile(r"Graph capturing finished in ([0-9.]+) secs, took (-?[0-9.]+) GiB")
 _WORKER = re.compile(r"\(\w*?Worker\w*?_(?:TP|PP|DP|EP|PCP|DCP)?(\d+)")
 
 
 def parse(text: str) -> list[dict[str, Any]]:
     """Per-rank figures found in a vLLM log, in the engine plugin's state shape."""
-    mode: str | None = None
-    sizes: list[int] = []
-    ranks: dict[int, dict[str, Any]] = {}
+    parser = Parser()
     for line in text.splitlines():
+        parser.feed(line)
+    return parser.result()
+
+
+class Parser:
+    """The log's figures so far, line by line; the last word on each wins."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.sizes: list[int] = []
+        self.ranks: dict[int, dict[str, Any]] = {}
+
+    def feed(self, line: str) -> None:
+        if "udagraph" not in line and "Overriding" not in line and "Graph capturing" not in line:
+            return  # most lines: one scan, no regular expression
         if (found := _CONFIG_MODE.search(line)) is not None:
-            mode = found.group(1)
+            self.mode = found.group(1)
         if (found := _CONFIG_SIZES.search(line)) is not None:
-            sizes = [int(s) for s in found.group(1).replace(" ", "").split(",") if s]
+            self.sizes = [int(s) for s in found.group(1).replace(" ", "").split(",") if s]
         for pattern in (_SETTING, _OVERRIDE):
             if (found := pattern.search(line)) is not None:
-                mode = found.group(1)
+                self.mode = found.group(1)
         if _EAGER in line:
-            mode = "NONE"
-        if (found := _CAPTURED.search(line)) is not None:
+            self.mode = "NONE"
+        if "Graph capturing" in line and (found := _CAPTURED.search(line)) is not None:
             worker = _WORKER.search(line)
             rank = int(worker.group(1)) if worker else 0
-            ranks[rank] = {
+            self.ranks[rank] = {
                 "capture_seconds": float(found.group(1)),
                 "capture_bytes": int(float(found.group(2)) * (1 << 30)),
             }
-    if mode is None and not ranks:
-        return []
-    return [
-        {"rank": rank, "cudagraph_mode": mode, "cudagraph_capture_sizes": sizes, **figures}
-        for rank, figures in sorted((ranks or {0: {}}).items())
-    ]
+
+    def result(self) -> list[dict[str, Any]]:
+        if self.mode is None and not self.ranks:
+            return []
+        return [
+            {"rank": rank, "cudagraph_mode": self.mode,
+             "cudagraph_capture_sizes": list(self.sizes), **figures}
+            for rank, figures in sorted((self.ranks or {0: {}}).items())
+        ]  # fmt: skip
+
+
+class LogFile:
+    """A vLLM log read incrementally: each `refresh` parses only what was appended.
+
+    The file is followed by offset. When it is replaced (rotation: another inode) or
+    shrinks (truncation, `copytruncate`), reading starts again at its beginning; figures
+    already found are kept until a newer line replaces them. A line longer than
+    `max_line` is skipped. Call `refresh` off the event loop: the first read of a large
+    log takes a while.
+    """
+
+    def __init__(self, path: Path, max_line: int = 1 << 20, chunk: int = 4 << 20) -> None:
+        self.path = path
+        self.max_line = max_line
+        self.chunk = chunk
+        self.parser = Parser()
+        self.offset = 0
+        self.identity: tuple[int, int] | None = None
+        self.partial = b""
+        self.tail = b""  # the last bytes read, to notice a file rewritten in place
+        self.skipping = False  # inside an over-long line
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self.figures: list[dict[str, Any]] = []
+
+    def refresh(self) -> list[dict[str, Any]]:
+        with self._lock:
+            try:
+                self._read()
+                self.error = None
+            except OSError as error:
+                self.error = f"{self.path}: {error.strerror or error}"
+            parser = self.parser
+            if self.partial and not self.skipping:  # a last line without its newline (yet)
+                parser = copy.deepcopy(self.parser)
+                parser.feed(self.partial.decode("utf-8", errors="replace"))
+            self.figures = parser.result()
+            return self.figures
+
+    def _read(self) -> None:
+        with self.path.open("rb") as handle:
+            stat = os.fstat(handle.fileno())
+            identity = (stat.st_dev, stat.st_ino)
+            if identity != self.identity or stat.st_size < self.offset or not self._same(handle):
+                self.identity, self.offset, self.partial, self.skipping = identity, 0, b"", False
+                self.tail = b""
+            handle.seek(self.offset)
+            while True:
+                data = handle.read(self.chunk)
+                if not data:
+                    return
+                self.offset += len(data)
+                self.tail = (self.tail + data[-64:])[-64:]
+                self._lines(data)
+
+    def _same(self, handle: BinaryIO) -> bool:
+        """The bytes just before the offset are still those read there: not truncated and
+        rewritten past the offset between two refreshes."""
+        if not self.tail:
+            return True
+        handle.seek(self.offset - len(self.tail))
+        return handle.read(len(self.tail)) == self.tail
+
+    def _lines(self, data: bytes) -> None:
+        """Feed the complete lines of `data` that can matter. Lines are found by searching
+        the bytes for the parser's keywords (C speed, GIL released to the event loop between
+        chunks), not by splitting and scanning every line in Python."""
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self.partial += data
+        else:
+            block = self.partial + data[: cut + 1]
+            self.partial = data[cut + 1 :]
+            start = 0
+            if self.skipping:  # the rest of an over-long line
+                start = block.find(b"\n") + 1
+                self.skipping = False
+            for begin, end in _matching_lines(block, start):
+                if end - begin <= self.max_line:
+                    self.parser.feed(block[begin:end].decode("utf-8", errors="replace"))
+        if len(self.partial) > self.max_line:
+            self.partial, self.skipping = b"", True
+        time.sleep(0)  # let the event loop's thread run
+
+
+KEYWORDS = (b"udagraph", b"Overriding", b"Graph capturing")  # every line Parser.feed uses
+
+
+def _matching_lines(block: bytes, start: int) -> list[tuple[int, int]]:
+    """(begin, end) of each line of `block` from `start` holding a keyword, in order."""
+    found: set[tuple[int, int]] = set()
+    for keyword in KEYWORDS:
+        at = block.find(keyword, start)
+        while at >= 0:
+            begin = block.rfind(b"\n", start, at) + 1 or start
+            end = block.find(b"\n", at)
+            found.add((max(begin, start), end))
+            at = block.find(keyword, end)
+    return sorted(found)

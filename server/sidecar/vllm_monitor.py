@@ -17,6 +17,13 @@ from typing import Any
 
 import aiohttp
 
+MAX_ANSWER = 4 * 1024 * 1024  # a /health, /v1/models or /version answer larger is refused
+
+
+def auth_headers(api_key: str | None) -> dict[str, str] | None:
+    """The Authorization header vLLM's --api-key middleware checks."""
+    return None if not api_key else {"Authorization": f"Bearer {api_key}"}
+
 
 @dataclass(frozen=True)
 class VllmSnapshot:
@@ -38,6 +45,7 @@ class VllmSnapshot:
 class VllmMonitor:
     timeout: float
     interval: float
+    api_key: str | None = None  # vLLM's --api-key: /v1/* needs it, /health and /version do not
     snapshot: VllmSnapshot = field(default_factory=VllmSnapshot)
     _session: aiohttp.ClientSession | None = None
 
@@ -76,11 +84,19 @@ class VllmMonitor:
     async def _get(self, path: str) -> tuple[int, bytes]:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with self._session.get(path, timeout=timeout) as response:
-            return response.status, await response.read()
+        headers = auth_headers(self.api_key) if path.startswith("/v1/") else None
+        async with self._session.get(path, timeout=timeout, headers=headers) as response:
+            if response.content_length is not None and response.content_length > MAX_ANSWER:
+                raise ValueError(f"{path} answer over {MAX_ANSWER} bytes")
+            body = await response.content.read(MAX_ANSWER + 1)
+            if len(body) > MAX_ANSWER:
+                raise ValueError(f"{path} answer over {MAX_ANSWER} bytes")
+            return response.status, body
 
     async def _json(self, path: str) -> Any:
         status, body = await self._get(path)
+        if status == 401:
+            raise ValueError("HTTP 401: vLLM wants an API key (--vllm-api-key)")
         if status != 200:
             raise ValueError(f"HTTP {status}")
         return json.loads(body)
@@ -102,11 +118,13 @@ class VllmMonitor:
             return tuple(str(entry["id"]) for entry in data), None
         except TimeoutError:
             return (), f"/v1/models timed out after {self.timeout:g} s"
-        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as error:
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError, RecursionError) as error:
             return (), f"/v1/models unusable: {type(error).__name__}: {error}"
 
     async def _version(self) -> tuple[str | None, str | None]:
         try:
             return str((await self._json("/version"))["version"]), None
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as error:
+        except (
+            TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, RecursionError
+        ) as error:  # fmt: skip
             return None, f"/version unusable: {error}"

@@ -55,7 +55,7 @@ class Stack:
     tree: Path  # the directory containing vllm/
     model: Path
     work: Path
-    index: int  # ports 8100 + 10 * index (vLLM) and 8101 + 10 * index (sidecar)
+    index: int  # ports 8100 + 10 * index: vLLM; + 1: the sidecar's pass-through; + 2: its admin
     gpus: str  # CUDA_VISIBLE_DEVICES
     env: dict[str, str] = field(default_factory=dict)
     paths: list[str] = field(default_factory=list)  # before the tree's on PYTHONPATH
@@ -74,8 +74,8 @@ class Stack:
 
     @property
     def admin_url(self) -> str:
-        """/livez, /readyz, /status, /metrics: the pass-through's port in this sidecar."""
-        return self.sidecar_url
+        """/readyz, /status, /metrics: the sidecar's admin port, as the chart runs it."""
+        return f"http://127.0.0.1:{8102 + 10 * self.index}"
 
     def start(self) -> None:
         work, state_dir = self.work, self.work / "state"
@@ -107,6 +107,8 @@ class Stack:
                 "127.0.0.1",
                 "--port",
                 self.sidecar_url.rsplit(":", 1)[1],
+                "--admin-port",
+                self.admin_url.rsplit(":", 1)[1],
                 "--vllm-url",
                 self.vllm_url,
                 "--state-dir",

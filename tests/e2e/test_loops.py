@@ -61,7 +61,8 @@ def stop_sidecar(live: dict[str, Any]) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "sidecar", "--host", "127.0.0.1",
-         "--port", str(port), "--vllm-url", live["vllm_url"], "--model", live["model"],
+         "--port", str(port), "--admin-port", str(port), "--vllm-url", live["vllm_url"],
+         "--model", live["model"],
          "--loop-action", "stop", "--log-level", "warning"],
         cwd=ROOT, env=dict(os.environ), stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -139,12 +140,14 @@ def test_stop_mode_saves_what_vllm_stops_generating(
     live: dict[str, Any], stop_sidecar: str, keep: Callable[[str, Any], None]
 ) -> None:
     vllm_url, model, observe_url = live["vllm_url"], live["model"], live["sidecar_url"]
+    # Metrics: the stack's sidecar on its admin port; the stop-mode one serves both on one.
+    admin = {observe_url: live["admin_url"], stop_sidecar: stop_sidecar}
     bias = banned_tokens()
     report: dict[str, Any] = {"max_tokens": MAX_TOKENS, "banned_tokens": len(bias)}
     runs: dict[str, list[dict[str, Any]]] = {}
     cost: dict[str, float] = {}
     loops_before = {
-        url: sum(v for _, v in samples(url).get("mla_serve_reasoning_loops_total", []))
+        url: sum(v for _, v in samples(admin[url]).get("mla_serve_reasoning_loops_total", []))
         for url in (observe_url, stop_sidecar)
     }
     saved_before = count(stop_sidecar, "mla_serve_loop_tokens_saved_total", model=model)
@@ -155,7 +158,7 @@ def test_stop_mode_saves_what_vllm_stops_generating(
             cost[mode] = settled(vllm_url, model) - before
         saved = count(stop_sidecar, "mla_serve_loop_tokens_saved_total", model=model) - saved_before
         loops = {
-            mode: sum(v for _, v in samples(url).get("mla_serve_reasoning_loops_total", []))
+            mode: sum(v for _, v in samples(admin[url]).get("mla_serve_reasoning_loops_total", []))
             - loops_before[url]
             for mode, url in (("observe", observe_url), ("stop", stop_sidecar))
         }

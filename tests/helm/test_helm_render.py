@@ -328,7 +328,7 @@ def test_passthrough_off_routes_to_vllm_and_uses_existing_offline_cache() -> Non
     metrics = find(docs, "Service", f"{RELEASE}-mla-serve-metrics")["spec"]
     assert metrics["clusterIP"] == "None"
     monitor = find(docs, "ServiceMonitor")["spec"]
-    assert [e["port"] for e in monitor["endpoints"]] == ["vllm-http", "sidecar-http"]
+    assert [e["port"] for e in monitor["endpoints"]] == ["vllm-http", "sidecar-admin"]
 
 
 def test_multinode_nvl72_leader_worker_set() -> None:
@@ -394,7 +394,7 @@ def test_monitoring_objects() -> None:
     monitor = find(docs, "PodMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     endpoints = monitor["spec"]["podMetricsEndpoints"]
-    assert [e["port"] for e in endpoints] == ["vllm-http", "sidecar-http"]
+    assert [e["port"] for e in endpoints] == ["vllm-http", "sidecar-admin"]
     for endpoint in endpoints:
         targets = {r["targetLabel"] for r in endpoint["relabelings"]}
         assert {"mla_serve_release", "mla_serve_profile", "mla_serve_role"} <= targets

@@ -168,9 +168,17 @@ spec:
             fieldRef:
               fieldPath: status.podIP
         {{- end }}
+        {{- if $v.vllm.apiKey.secretName }}
+        {{- include "mla-serve.apiKeyEnv" (dict "root" $ "name" "VLLM_API_KEY") | nindent 8 }}
+        {{- end }}
         {{- with $v.vllm.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+      # Stop vLLM only after the sidecar has drained: it finishes requests relayed to vLLM.
+      lifecycle:
+        preStop:
+          exec:
+            command: ["sleep", "{{ add (int $v.sidecar.drain.delaySeconds) (int $v.sidecar.drain.timeoutSeconds) }}"]
       {{- if eq $role "leader" }}
       ports:
         - name: vllm-http
@@ -235,6 +243,18 @@ spec:
         {{- end }}
         - --port
         - {{ $v.sidecar.port | quote }}
+        - --admin-port
+        - {{ $v.sidecar.adminPort | quote }}
+        - --drain-timeout
+        - {{ $v.sidecar.drain.timeoutSeconds | quote }}
+        {{- with $v.sidecar.extraRoutes }}
+        - --extra-routes
+        - {{ join "," . | quote }}
+        {{- end }}
+        {{- with $v.sidecar.trustedProxies }}
+        - --trusted-proxies
+        - {{ join "," . | quote }}
+        {{- end }}
         - --state-dir
         - {{ $stateDir }}
         - --manifest
@@ -281,18 +301,32 @@ spec:
           value: {{ $v.sidecar.manifest }}
         - name: HOME
           value: /tmp
+        {{- if $v.vllm.apiKey.secretName }}
+        {{- include "mla-serve.apiKeyEnv" (dict "root" $ "name" "MLA_SERVE_VLLM_API_KEY") | nindent 8 }}
+        {{- end }}
         {{- with $v.sidecar.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
       ports:
+        # The OpenAI pass-through (the Service's target).
         - name: sidecar-http
           containerPort: {{ $v.sidecar.port }}
           protocol: TCP
+        # Probes, /status and /metrics: never behind the Service.
+        - name: sidecar-admin
+          containerPort: {{ $v.sidecar.adminPort }}
+          protocol: TCP
+      # Keep serving while the endpoints controller takes the pod out of the Service; on
+      # SIGTERM the sidecar then stops accepting and drains (--drain-timeout).
+      lifecycle:
+        preStop:
+          exec:
+            command: ["sleep", "{{ $v.sidecar.drain.delaySeconds }}"]
       # Same budget as the engine: the sidecar may report "not started" until vLLM serves.
       startupProbe:
         httpGet:
           path: /startupz
-          port: sidecar-http
+          port: sidecar-admin
         periodSeconds: {{ $v.startup.periodSeconds }}
         timeoutSeconds: 5
         failureThreshold: {{ $threshold }}
@@ -300,14 +334,14 @@ spec:
       readinessProbe:
         httpGet:
           path: /readyz
-          port: sidecar-http
+          port: sidecar-admin
         periodSeconds: {{ $v.probes.readiness.periodSeconds }}
         timeoutSeconds: 5
         failureThreshold: {{ $v.probes.readiness.failureThreshold }}
       livenessProbe:
         httpGet:
           path: /livez
-          port: sidecar-http
+          port: sidecar-admin
         periodSeconds: {{ $v.probes.liveness.periodSeconds }}
         timeoutSeconds: 5
         failureThreshold: {{ $v.probes.liveness.failureThreshold }}
@@ -350,6 +384,18 @@ spec:
       {{- else }}
       emptyDir: {}
       {{- end }}
+{{- end -}}
+
+{{/* vLLM's API key from vllm.apiKey's Secret, as env `name`. Call with (dict "root" $ "name" NAME). */}}
+{{- define "mla-serve.apiKeyEnv" -}}
+{{- $v := .root.Values -}}
+{{- with $v.vllm.apiKey.secretName }}
+- name: {{ $.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $v.vllm.apiKey.secretKey }}
+{{- end }}
 {{- end -}}
 
 {{/* Hugging Face environment. Call with (dict "root" $ "offline" bool). */}}

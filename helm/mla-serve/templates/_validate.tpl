@@ -37,6 +37,13 @@ produce a pod vLLM refuses) and add the ones a schema cannot state.
 {{- if eq (int .Values.sidecar.port) (int .Values.vllm.port) -}}
 {{- fail (printf "sidecar.port and vllm.port are both %d; they share the pod's network namespace" (int .Values.vllm.port)) -}}
 {{- end -}}
+{{- if has (int .Values.sidecar.adminPort) (list (int .Values.sidecar.port) (int .Values.vllm.port)) -}}
+{{- fail (printf "sidecar.adminPort %d is already taken by sidecar.port or vllm.port; the admin port must be its own, or /status and /metrics reach the Service" (int .Values.sidecar.adminPort)) -}}
+{{- end -}}
+{{- $drain := add (int .Values.sidecar.drain.delaySeconds) (int .Values.sidecar.drain.timeoutSeconds) 10 -}}
+{{- if lt (int .Values.terminationGracePeriodSeconds) (int $drain) -}}
+{{- fail (printf "terminationGracePeriodSeconds=%d is shorter than the drain (sidecar.drain.delaySeconds + timeoutSeconds + 10 s for vLLM to stop = %d): requests in flight would be killed" (int .Values.terminationGracePeriodSeconds) (int $drain)) -}}
+{{- end -}}
 {{- $owned := dict
   "--tensor-parallel-size" "parallelism.tensor" "-tp" "parallelism.tensor"
   "--prefill-context-parallel-size" "parallelism.prefillContext" "-pcp" "parallelism.prefillContext"

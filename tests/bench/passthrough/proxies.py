@@ -84,6 +84,7 @@ class Target:
     ready_s: float = 0.0
     api_key: str | None = None
     stream_check: dict[str, Any] | None = None
+    ready_url: str | None = None  # where readiness is asked, when not on `url`
 
 
 def tool_version(argv: list[str]) -> str:
@@ -96,17 +97,19 @@ def tool_version(argv: list[str]) -> str:
 
 
 def start_sidecar(bin_dir: Path, upstream: int, work: Path) -> Target:
-    port = free_port()
+    port, admin = free_port(), free_port()
     proc = Proc(
         "sidecar",
         [
             str(bin_dir / "mla-serve"), "sidecar",
             "--vllm-url", f"http://127.0.0.1:{upstream}",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--admin-port", str(admin),  # /readyz lives there; not 8081: runs may overlap
         ],
         work / "sidecar.log",
     ).start()  # fmt: skip
-    return Target("sidecar", f"http://127.0.0.1:{port}", proc)
+    return Target("sidecar", f"http://127.0.0.1:{port}", proc,
+                  ready_url=f"http://127.0.0.1:{admin}")  # fmt: skip
 
 
 def start_envoy(bench_venv: Path, upstream: int, work: Path) -> Target:
@@ -157,4 +160,5 @@ def start_litellm(bench_venv: Path, upstream: int, model: str, work: Path) -> Ta
 def wait_ready(target: Target, timeout: float) -> None:
     assert target.proc is not None
     path = {"sidecar": "/readyz", "envoy": "/health", "litellm": "/health/liveliness"}
-    target.ready_s = wait_http(target.proc, target.url + path[target.name], timeout)
+    base = target.ready_url or target.url
+    target.ready_s = wait_http(target.proc, base + path[target.name], timeout)

@@ -1,0 +1,250 @@
+"""A misbehaving stand-in for vLLM 0.33.0, written on raw sockets so it can break HTTP.
+
+This is a CPU stand-in, not vLLM. Well-formed answers use vLLM's formats from
+tests/vllm_standin.py (`Script`: chunks and whole responses as vLLM serializes them,
+`model_list`, the 401 body of vLLM's --api-key middleware). Misbehaviours are chosen by
+`[flag]` words in the request's last user message (or prompt):
+
+  [runaway]      think until max_tokens, no visible content (counted as a runaway)
+  [crlf]         SSE events delimited by CRLF CRLF (legal SSE; vLLM itself uses LF)
+  [garbage]      events that are not the expected JSON between vLLM's own
+  [negusage]     usage with a negative completion_tokens and a string prompt_tokens
+  [bigevent]     one 6 MiB event, written in 64 KiB pieces
+  [truncate]     the body is cut short: a chunked stream without its last chunk, or
+                 fewer bytes than Content-Length, then the connection closes
+  [bodystall]    headers and part of the body, then silence
+  [hopheaders]   the response names a header in Connection: and sends hop-by-hop ones
+  [retry]        429 with Retry-After
+  [slow]         0.1 s between stream events
+
+Every request's method, target and headers are recorded in `seen`; any path that is not
+one of vLLM's OpenAI routes answers `ADMIN-ROUTE-REACHED`, so a leak cannot go unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_standin import VERSION, Script, model_list
+
+CHUNK = 64 * 1024
+OPENAI = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+
+
+@dataclass
+class Seen:
+    method: str
+    target: str
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeVllm:
+    api_key: str | None = None
+    models: list[str] = field(default_factory=lambda: ["glm-5.3-flash"])
+    seen: list[Seen] = field(default_factory=list)
+    sent: dict[str, bytes] = field(default_factory=dict)  # last body sent per flag set
+    sent_all: dict[str, list[bytes]] = field(default_factory=dict)  # every one
+    port: int = 0
+
+    def start(self) -> FakeVllm:
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def serve() -> None:
+            self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+            ready.set()
+
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(serve(), self._loop)
+        if not ready.wait(10):
+            raise RuntimeError("fake vLLM did not start")
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def paths(self) -> list[str]:
+        return [seen.target for seen in self.seen]
+
+    def last(self, prefix: str) -> Seen:
+        """The latest request whose target starts with `prefix` (the sidecars' own /health,
+        /v1/models and /version polls interleave with the requests under test)."""
+        return next(seen for seen in reversed(self.seen) if seen.target.startswith(prefix))
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        line = await reader.readline()
+        if not line:
+            return False
+        method, target, _ = line.decode("latin-1").split(" ", 2)
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        self.seen.append(Seen(method, target, headers))
+        path = target.partition("?")[0]
+        if path == "/health":
+            return await _write(writer, 200, b"", "application/json")
+        if path == "/version":
+            return await _json(writer, 200, {"version": VERSION})
+        key = self.api_key
+        if path.startswith("/v1/") and key and headers.get("authorization") != f"Bearer {key}":
+            return await _json(writer, 401, {"error": "Unauthorized"})  # vLLM's middleware
+        if path == "/v1/models":
+            return await _json(writer, 200, model_list(self.models, 70000))
+        if path not in OPENAI:
+            return await _write(writer, 200, b"ADMIN-ROUTE-REACHED", "text/plain")
+        return await self._generate(path, body, writer)
+
+    async def _generate(self, path: str, raw: bytes, writer: asyncio.StreamWriter) -> bool:
+        body: dict[str, Any] = json.loads(raw)
+        chat = path != "/v1/completions"
+        if path == "/v1/responses":
+            text = str(body.get("input", ""))
+        elif chat:
+            text = str((body.get("messages") or [{}])[-1].get("content", ""))
+        else:
+            text = str(body.get("prompt", ""))
+        flags = {word for word in text.split() if word.startswith("[") and word.endswith("]")}
+        key = " ".join(sorted(flags))
+        if "[retry]" in flags:
+            error = {"error": {"message": "busy", "type": "RateLimitError", "param": None,
+                               "code": 429}}  # fmt: skip
+            return await _json(writer, 429, error, [("Retry-After", "7")])
+        script = Script("runaway" if "[runaway]" in flags else "answer", body, chat, 5)
+        extra: list[tuple[str, str]] = []
+        if "[hopheaders]" in flags:
+            extra = [("Connection", "X-Internal"), ("X-Internal", "secret"),
+                     ("Keep-Alive", "timeout=5"), ("X-Kept", "yes")]  # fmt: skip
+        if path == "/v1/responses" or body.get("stream"):
+            events = self._events(script, flags)
+            self.sent[key] = b"".join(events)
+            self.sent_all.setdefault(key, []).append(self.sent[key])
+            return await self._sse(writer, events, flags, extra)
+        whole = script.whole()
+        if "[negusage]" in flags:
+            whole["usage"]["completion_tokens"] = -5
+            whole["usage"]["prompt_tokens"] = "twelve"
+        payload = json.dumps(whole).encode()
+        self.sent[key] = payload
+        if "[truncate]" in flags or "[bodystall]" in flags:
+            head = _head(200, "application/json", [("content-length", str(len(payload)))])
+            writer.write(head + payload[: len(payload) // 2])
+            await writer.drain()
+            if "[bodystall]" in flags:
+                await asyncio.sleep(60)
+            return False
+        return await _write(writer, 200, payload, "application/json", extra)
+
+    def _events(self, script: Script, flags: set[str]) -> list[bytes]:
+        end = b"\r\n\r\n" if "[crlf]" in flags else b"\n\n"
+        events = []
+        for chunk in script.chunks():
+            if "[negusage]" in flags and chunk.get("usage"):
+                chunk["usage"]["completion_tokens"] = -5
+                chunk["usage"]["prompt_tokens"] = "twelve"
+            events.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + end)
+        if "[garbage]" in flags:
+            events[1:1] = [
+                b'data: {"choices": [1]}' + end,
+                b'data: {"choices": [{"index": "zero", "delta": {"content": "x"}}]}' + end,
+                b'data: {"usage": {"completion_tokens": -3}, "choices": []}' + end,
+                b"data: this is not json" + end,
+                b"data: [1, 2, 3]" + end,
+                b": a comment line" + end,
+                b"event: ping" + end[: len(end) // 2] + b"data: {}" + end,
+            ]
+        if "[bigevent]" in flags:
+            big = {"choices": [{"index": 0, "delta": {"reasoning": "z" * (6 << 20)},
+                                "finish_reason": None}]}  # fmt: skip
+            events.insert(1, b"data: " + json.dumps(big).encode() + end)
+        events.append(b"data: [DONE]" + end)
+        return events
+
+    async def _sse(
+        self,
+        writer: asyncio.StreamWriter,
+        events: list[bytes],
+        flags: set[str],
+        extra: list[tuple[str, str]],
+    ) -> bool:
+        writer.write(_head(200, "text/event-stream", [("transfer-encoding", "chunked"), *extra]))
+        cut = len(events) // 2 if {"[truncate]", "[bodystall]"} & flags else len(events)
+        for event in events[:cut]:
+            for start in range(0, len(event), CHUNK):
+                piece = event[start : start + CHUNK]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            if "[slow]" in flags:
+                await asyncio.sleep(0.1)
+        if "[bodystall]" in flags:
+            await asyncio.sleep(60)
+            return False
+        if "[truncate]" in flags:
+            writer.write(b'40\r\ndata: {"partial')  # a chunk that never ends
+            await writer.drain()
+            return False
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+
+REASONS = {200: "OK", 401: "Unauthorized", 429: "Too Many Requests"}
+
+
+def _head(status: int, content_type: str, headers: list[tuple[str, str]]) -> bytes:
+    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}", f"content-type: {content_type}"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def _write(
+    writer: asyncio.StreamWriter,
+    status: int,
+    payload: bytes,
+    content_type: str,
+    extra: list[tuple[str, str]] | None = None,
+) -> bool:
+    headers = [("content-length", str(len(payload))), *(extra or [])]
+    writer.write(_head(status, content_type, headers) + payload)
+    await writer.drain()
+    return True
+
+
+async def _json(
+    writer: asyncio.StreamWriter,
+    status: int,
+    document: Any,
+    extra: list[tuple[str, str]] | None = None,
+) -> bool:
+    return await _write(writer, status, json.dumps(document).encode(), "application/json", extra)

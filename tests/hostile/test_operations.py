@@ -1,0 +1,233 @@
+"""Careless-operator faults: API keys, exposure, drain, logs, forwarding trust, h11, floods.
+
+Each test starts its own `mla-serve sidecar` (real CLI) with the flags under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from fake_vllm import FakeVllm
+from http_server import free_port
+from wire import MODEL, ask, exchange, get, post
+
+MiB = 1 << 20
+
+
+def test_api_key_deployment_turns_ready(start_sidecar, tmp_path, attack):
+    """Item 2: vLLM started with --api-key; the sidecar is given the same key."""
+    check = attack("vLLM with --api-key: readiness and canary with the key", "2")
+    vllm = FakeVllm(api_key="s3cret").start()
+    try:
+        prompt = tmp_path / "canary.txt"
+        prompt.write_text("[runaway] a long shared prefix")
+        keyless = start_sidecar(vllm.url)
+        keyed = start_sidecar(
+            vllm.url, "--canary-prompt-file", str(prompt), "--canary-interval", "0.3",
+            "--canary-concurrency", "2", "--canary-max-tokens", "4",
+            env={"MLA_SERVE_VLLM_API_KEY": "s3cret"},
+        )  # fmt: skip
+        ready = keyed.wait_ready(timeout=10)
+        check.check(ready.status_code == 200, f"keyed /readyz {ready.status_code}: {ready.text}")
+        refused = keyless.wait_ready(timeout=1)
+        detail = refused.json()["checks"]["model_listed"]["detail"]
+        check.figures.update(keyless_detail=detail)
+        check.check(refused.status_code == 503 and "API key" in detail, f"keyless: {detail}")
+        deadline = time.monotonic() + 10
+        while keyed.metric("mla_serve_canary_runaway_completions_total", model=MODEL) < 2:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        canary = httpx.get(f"{keyed.admin}/status").json()["canary"]["last_round"]
+        check.figures["canary_round"] = canary
+        check.check(canary.get("errors") == 0 and canary.get("runaways") == 2, f"{canary}")
+        # The client's own key is what the pass-through sends, never the sidecar's.
+        anonymous = httpx.get(f"{keyed.url}/v1/models")
+        check.check(anonymous.status_code == 401, f"keyless client got {anonymous.status_code}")
+        check.check("s3cret" not in " ".join(keyed.process.args), "key on the command line")
+    finally:
+        vllm.stop()
+    check.done()
+
+
+def test_admin_routes_only_on_the_admin_port(sidecar, attack):
+    """Item 13: /status and /metrics are not on the port the Service exposes."""
+    check = attack("/status /metrics /readyz not on the pass-through port", "13")
+    for path in ("/status", "/metrics", "/readyz", "/startupz", "/docs", "/openapi.json"):
+        public = httpx.get(f"{sidecar.url}{path}")
+        check.check(public.status_code == 404, f"pass-through port {path}: {public.status_code}")
+        check.check(MODEL not in public.text, f"{path} leaks the model list")
+    for path in ("/status", "/metrics", "/readyz", "/livez"):
+        check.check(httpx.get(f"{sidecar.admin}{path}").status_code == 200, f"admin {path}")
+    # /livez tells nothing but "running" (the image's HEALTHCHECK probes it on --port).
+    check.check(httpx.get(f"{sidecar.url}/livez").json() == {"status": "ok"}, "public /livez")
+    check.done()
+
+
+def test_sigterm_drains_in_flight_requests(start_sidecar, fake, attack):
+    """Item 13: SIGTERM stops accepting, finishes in-flight streams within the bound."""
+    check = attack("SIGTERM during a stream: drain", "13")
+    sidecar = start_sidecar(fake.url)
+    sidecar.wait_ready()
+    body: list[bytes] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{sidecar.url}/v1/chat/completions",
+                          json=ask("[slow] hi", stream=True), timeout=30) as response:  # fmt: skip
+            body.extend(response.iter_raw())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(0.4)
+    started = time.monotonic()
+    sidecar.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    try:
+        socket.create_connection(("127.0.0.1", sidecar.port), timeout=1).close()
+        accepting = True
+    except OSError:
+        accepting = False
+    reader.join(timeout=15)
+    code = sidecar.process.wait(timeout=15)
+    took = time.monotonic() - started
+    whole = b"".join(body)
+    check.figures.update(exit_code=code, drain_s=round(took, 2))
+    check.check(not accepting, "still accepting connections after SIGTERM")
+    check.check(whole.endswith(b"data: [DONE]\n\n"), f"stream cut: {whole[-80:]!r}")
+    # uvicorn re-raises the SIGTERM it caught once the drain is over: -15 is a clean exit.
+    check.check(code in (0, -signal.SIGTERM) and took < 5 + 2, f"exit {code} after {took:.1f} s")
+    check.done()
+
+
+def test_big_vllm_log_is_read_incrementally_off_the_loop(start_sidecar, fake, tmp_path, attack):
+    """Item 10: a 200 MB log neither blocks /livez nor /metrics; rotation is followed."""
+    check = attack("200 MB --vllm-log; rotation and truncation", "10")
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    sidecar = start_sidecar(fake.url, "--vllm-log", str(log))
+    line = b"(Worker_TP0 pid=1) INFO 11-29 10:00:00 [loggers.py:123] Engine 000: Avg throughput\n"
+    filler = line * (200 * MiB // len(line) // 64)
+    mode = ("INFO [core.py:1] config: compilation_config={'cudagraph_mode': "
+            "<CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>}\n")  # fmt: skip
+    with log.open("ab") as handle:
+        handle.write(mode.encode())
+        for _ in range(64):
+            handle.write(filler)
+        handle.write(b"(Worker_TP1 pid=2) INFO [gpu_model_runner.py:1] Graph capturing finished"
+                     b" in 14 secs, took 1.25 GiB\n")  # fmt: skip
+    size = log.stat().st_size
+    worst = 0.0
+    deadline = time.monotonic() + 60
+    found = False
+    while time.monotonic() < deadline and not found:
+        for url in (f"{sidecar.admin}/livez", f"{sidecar.admin}/metrics"):
+            started = time.monotonic()
+            text = httpx.get(url, timeout=30).text
+            worst = max(worst, time.monotonic() - started)
+            found = found or 'mla_serve_cudagraph_capture_duration_seconds{rank="1"} 14.0' in text
+        time.sleep(0.05)
+    check.figures.update(log_mib=round(size / MiB), worst_probe_s=round(worst, 3))
+    check.check(found, "figures of the 200 MB log never appeared")
+    check.check(worst < 1.0, f"/livez or /metrics took {worst:.2f} s")
+    # Rotation: a new file under the same name; then truncation in place.
+    log.rename(tmp_path / "vllm.log.1")
+    log.write_text("INFO config: compilation_config={'cudagraph_mode': <CUDAGraphMode.NONE: 0>}\n")
+    check.check(_wait_metric(sidecar, 'mla_serve_cudagraph_mode_info{mode="NONE",rank="1"}'),
+                "rotation not followed")  # fmt: skip
+    log.write_text("INFO setting cudagraph_mode=PIECEWISE\n")
+    check.check(_wait_metric(sidecar, 'mla_serve_cudagraph_mode_info{mode="PIECEWISE",rank="1"}'),
+                "truncation not followed")  # fmt: skip
+    check.done()
+
+
+def _wait_metric(sidecar, text: str, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in httpx.get(f"{sidecar.admin}/metrics").text:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_trusted_proxy_forwarded_for_is_appended(start_sidecar, fake, attack):
+    """Item 13: from a trusted proxy the chain is kept and the peer appended."""
+    check = attack("X-Forwarded-For from a trusted proxy (--trusted-proxies)", "13")
+    sidecar = start_sidecar(fake.url, "--trusted-proxies", "127.0.0.0/8")
+    reply = exchange(sidecar.port, post("/v1/chat/completions", json.dumps(ask("hi")).encode(),
+                                        "X-Forwarded-For: 203.0.113.9",
+                                        "X-Forwarded-Proto: https"))  # fmt: skip
+    headers = fake.last("/v1/chat/completions").headers
+    seen = headers.get("x-forwarded-for")
+    check.figures["upstream_xff"] = seen
+    check.check(reply.status == 200 and seen == "203.0.113.9, 127.0.0.1", f"XFF {seen}")
+    check.check(headers.get("x-forwarded-proto") == "https", "the proxy's X-Forwarded-Proto")
+    check.done()
+
+
+def test_h11_parser_is_bounded_too(start_sidecar, fake, attack):
+    """Item 1: the same limits with uvicorn's h11 protocol."""
+    check = attack("h11: 1 MB header, 150 headers, unterminated 64 MB header", "1")
+    sidecar = start_sidecar(fake.url, "--http", "h11")
+    big = exchange(sidecar.port, get("/v1/models", "X-Big: " + "a" * MiB))
+    count = exchange(sidecar.port, get("/v1/models", *(f"X-H{i}: v" for i in range(150))))
+    ok = exchange(sidecar.port, get("/v1/models"))
+    check.figures.update(big=big.status, count=count.status)
+    check.check(big.status in (400, 431) and big.header("connection") == "close",
+                f"1 MB header: {big.status}")  # fmt: skip
+    check.check("error" in big.json(), "not an OpenAI-style error")
+    check.check(count.status == 431, f"150 headers: {count.status}")
+    check.check(ok.status == 200, f"plain request: {ok.status}")
+    check.check(sidecar.rss() < 512 * MiB, "RSS")
+    check.done()
+
+
+def test_connection_flood_leaves_the_admin_port_alone(start_sidecar, fake, attack):
+    """Item 1/13: past --max-connections the pass-through refuses; probes still answer."""
+    check = attack("connection flood on the pass-through port (--max-connections 20)", "1")
+    sidecar = start_sidecar(fake.url, "--max-connections", "20", "--header-timeout", "5")
+    socks = [socket.create_connection(("127.0.0.1", sidecar.port)) for _ in range(40)]
+    try:
+        time.sleep(0.3)
+        refused = 0
+        for sock in socks:
+            sock.settimeout(0.05)
+            with contextlib.suppress(TimeoutError, OSError):
+                refused += b" 503 " in sock.recv(200)
+        livez = httpx.get(f"{sidecar.admin}/livez", timeout=5).status_code
+    finally:
+        for sock in socks:
+            sock.close()
+    check.figures.update(refused=refused)
+    check.check(refused == 20, f"{refused} of 40 refused (20 allowed)")
+    check.check(livez == 200, f"/livez {livez}")
+    time.sleep(0.3)
+    check.check(httpx.get(f"{sidecar.url}/v1/models").status_code == 200, "not recovered")
+    check.done()
+
+
+def test_bad_flags_are_one_line_errors(tmp_path, attack):
+    """Careless operator: bad values end in one line and exit 2, never a traceback."""
+    import subprocess
+    import sys
+
+    check = attack("bad sidecar flags: one-line errors, exit 2", "13")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_SERVE_")}
+    for args in (["--extra-routes", "../admin"], ["--trusted-proxies", "not-an-ip"],
+                 ["--max-inflight-body-bytes", "10"], ["--admin-port", "70000"],
+                 ["--host", "203.0.113.254"]):  # fmt: skip
+        port = str(free_port())
+        done = subprocess.run([sys.executable, "-m", "server.cli", "sidecar", "--port", port,
+                               *args], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=30)  # fmt: skip
+        lines = done.stderr.strip().splitlines()
+        check.check(done.returncode == 2 and len(lines) == 1, f"{args}: {done.stderr[-300:]}")
+    check.done()

@@ -1,0 +1,111 @@
+"""Raw HTTP/1.x on a socket, for requests an HTTP client library refuses to send."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+MODEL = "glm-5.3-flash"
+
+
+def ask(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **extra}
+
+
+@dataclass
+class Reply:
+    status: int | None
+    head: bytes
+    body: bytes
+    closed: bool  # the server closed the connection
+    seconds: float
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def header(self, name: str) -> str | None:
+        for line in self.head.split(b"\r\n")[1:]:
+            key, _, value = line.partition(b":")
+            if key.strip().lower() == name.lower().encode():
+                return value.strip().decode("latin-1")
+        return None
+
+
+def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> Reply:
+    """Send `data` (all of it, or until the server stops reading), read until the server
+    closes the connection or `timeout`; parse one response."""
+    started = time.monotonic()
+    received = b""
+    closed = False
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        try:
+            sock.sendall(data)
+        except OSError:
+            closed = True
+        if pause:
+            time.sleep(pause)
+        sock.settimeout(max(0.1, timeout - (time.monotonic() - started)))
+        try:
+            while True:
+                piece = sock.recv(65536)
+                if not piece:
+                    closed = True
+                    break
+                received += piece
+                if _complete(received):
+                    break
+        except TimeoutError:
+            pass
+        except OSError:
+            closed = True
+    return _parse(received, closed, time.monotonic() - started)
+
+
+def _complete(data: bytes) -> bool:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    if head.startswith(b"HTTP/1.1 100"):
+        return _complete(body)
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return body.endswith(b"0\r\n\r\n")
+
+
+def _parse(data: bytes, closed: bool, seconds: float) -> Reply:
+    head, _, body = data.partition(b"\r\n\r\n")
+    while head.startswith(b"HTTP/1.1 100"):
+        head, _, body = body.partition(b"\r\n\r\n")
+    status = None
+    if head.startswith(b"HTTP/"):
+        status = int(head.split(b" ")[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        body = dechunk(body)
+    return Reply(status, head, body, closed, seconds)
+
+
+def dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, rest = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        data = rest[size + 2 :]
+    return out
+
+
+def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
+    lines = [f"POST {path} HTTP/{version}", "Host: sidecar", "Content-Type: application/json",
+             f"Content-Length: {len(body)}", *headers]  # fmt: skip
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def get(path: str, *headers: str, version: str = "1.1") -> bytes:
+    lines = [f"GET {path} HTTP/{version}", "Host: sidecar", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
