@@ -212,7 +212,9 @@ def run(tree: Path, selected: list[Case], report: Path, timeout: int = 900) -> d
         select = [] if whole else ["-k", " or ".join(c.test.split("::", 1)[1] for c in group)]
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(tree), str(root), str(REPORTER.parent)]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(tree), str(root), str(REPORTER.parent), os.environ.get("PYTHONPATH", "")]
+            ).rstrip(os.pathsep),
             "MLA_SERVE_UPSTREAM_REPORT": str(report),
         }
         report.unlink(missing_ok=True)
