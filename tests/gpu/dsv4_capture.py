@@ -29,8 +29,6 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")  # before vLLM is imported
-
 import pytest
 import torch
 
@@ -208,4 +206,5 @@ def run(mode: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")  # vLLM reads it at import
     print("RESULT " + json.dumps(run(sys.argv[1])))

@@ -77,7 +77,7 @@ for module in list(sys.modules.values()):
 def upstream_gpu_tests() -> dict[str, tuple[str, ...]]:
     """The files of upstream's CUDA tests (catalog `gpu`), per sdist, extracted here."""
     files: dict[str, set[str]] = {}
-    for fix in trees.CATALOG.fixes:
+    for fix in upstream.catalog_.load().fixes:
         tests = fix.upstream_tests
         if tests and tests.gpu:
             files.setdefault(tests.sdist, set()).update(tests.files())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -103,3 +105,18 @@ def test_c128a_metadata_views_keep_the_capacity_row_stride(expect, width):
         # Packed at this batch's width: a consumer captured at another width
         # reads every row after the first at the wrong offset.
         assert global_decode.stride(0) == width != decode.stride(0)
+
+
+def test_capture_metadata_of_vllms_v2_runner(expect):
+    """The claim behind dsv4-indexer-capture-shortcut's 0.27.1 path, on vLLM's own code:
+    FULL graphs are captured on metadata at max_model_len (the scoring path gets captured);
+    PIECEWISE ones on the dummy batch's own lengths (the shortcut's condition holds), which
+    matters only where the indexer runs inside a captured segment (tests/gpu/dsv4_capture.py
+    checks that on the GPU)."""
+    if expect.release != "0.27.1":
+        pytest.skip("0.27.1's V2 runner (the patched cell under scrutiny)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from dsv4_capture import MAX_MODEL_LEN, capture_max_seq_len
+
+    assert capture_max_seq_len(True, device="cpu") == MAX_MODEL_LEN
+    assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
