@@ -30,7 +30,7 @@ for archive in "$PACK"/trees/vllm-*.tar.xz; do
       --vllm-tree "$WORK/$release/$state" --vllm-state "$state" \
       --junitxml "$RESULTS/runs/junit-$release-$state.xml" || status=1
     # upstream's own CUDA tests for the fixes (catalog [fix.upstream_tests] gpu), unchanged
-    MLA_SERVE_CACHE="$PACK" $PYTHON tests/upstream.py gpu --tree "$WORK/$release/$state" \
+    HF_HUB_OFFLINE=1 MLA_SERVE_CACHE="$PACK" $PYTHON tests/upstream.py gpu --tree "$WORK/$release/$state" \
       --release "$release" --state "$state" \
       --out "$RESULTS/runs/upstream-$release-$state.json" || status=1
     $PYTHON tests/gpu/bench_gpu.py --release "$release" --state "$state" \
