@@ -120,3 +120,45 @@ def test_capture_metadata_of_vllms_v2_runner(expect):
 
     assert capture_max_seq_len(True, device="cpu") == MAX_MODEL_LEN
     assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
+
+
+def _indexer_call_sites(source: str) -> dict[str, bool]:
+    """DeepseekV4Attention's methods that call its indexer, and whether each is an
+    `@eager_break_during_capture` region (run eagerly, not captured, under breakable graphs)."""
+    import ast
+
+    owner = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.name == "DeepseekV4Attention"
+    )
+    sites = {}
+    for method in owner.body:
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        calls = [
+            n
+            for n in ast.walk(method)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name | ast.Attribute)
+            and getattr(n.func, "id", getattr(n.func, "attr", None)) == "indexer"
+        ]
+        if calls:
+            decorators = {getattr(d, "id", getattr(d, "attr", None)) for d in method.decorator_list}
+            sites[method.name] = "eager_break_during_capture" in decorators
+    return sites
+
+
+def test_where_the_indexer_runs_under_breakable_capture(expect):
+    """0.27.1 calls the indexer only inside an eager-break region (the catalog's path for
+    dsv4-indexer-capture-shortcut there); from 0.28.0 (vllm#51430) it is also called from an
+    undecorated method that the V2 runner captures: the release where upstream saw the bug."""
+    if expect.release not in ("0.27.1", "0.28.0"):
+        pytest.skip("the release that moved the indexer (0.28.0) and the one before it")
+    from vllm.models.deepseek_v4 import attention
+
+    sites = _indexer_call_sites(Path(attention.__file__).read_text(encoding="utf-8"))
+    if expect.release == "0.27.1":
+        assert sites == {"attention_impl": True}
+    else:
+        assert sites.get("_prepare_and_attn") is False
