@@ -35,6 +35,46 @@ class ReleaseStatus:
     reason: str
     patches: tuple[str, ...] = ()
     since: str | None = None  # first release carrying the fix, for `upstream`
+    path: str | None = None  # for `patched`: the code path that reaches the bug there
+    modes: tuple[str, ...] = ()  # CUDA graph modes that reach it; empty: not mode-bound
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """An upstream test not run on some releases (all when `releases` is empty), and why."""
+
+    test: str
+    reason: str
+    releases: tuple[str, ...] = ()
+
+    def covers(self, release: str) -> bool:
+        return not self.releases or release in self.releases
+
+
+@dataclass(frozen=True)
+class UpstreamTests:
+    """vLLM's own tests for a fix, taken unchanged from the source distribution of `sdist`
+    (the first release carrying the fix's final form). Each test is `path::function`."""
+
+    sdist: str
+    cpu: tuple[str, ...]
+    gpu: tuple[str, ...]
+    support: tuple[str, ...]  # other files of the sdist the tests import
+    left_out: tuple[LeftOut, ...]
+    shows_bug: bool = True  # False: a regression guard that passes with or without the fix
+    note: str = ""
+
+    def selected(self, kind: str, release: str) -> tuple[str, ...]:
+        """The tests of `kind` (cpu or gpu) to run on `release`."""
+        tests = self.cpu if kind == "cpu" else self.gpu
+        return tuple(
+            t for t in tests if not any(o.test == t and o.covers(release) for o in self.left_out)
+        )
+
+    def files(self) -> tuple[str, ...]:
+        """Every file of the sdist these tests need."""
+        names = {t.split("::", 1)[0] for t in (*self.cpu, *self.gpu)} | set(self.support)
+        return tuple(sorted(names))
 
 
 @dataclass(frozen=True)
@@ -47,6 +87,7 @@ class Fix:
     seeds: tuple[str, ...]
     upstream: tuple[str, ...]
     releases: dict[str, ReleaseStatus]
+    upstream_tests: UpstreamTests | None = None
 
     def on(self, release: str) -> ReleaseStatus:
         return self.releases[release]
@@ -147,7 +188,19 @@ def _fix(entry: dict[str, Any], releases: tuple[str, ...]) -> Fix:
             raise CatalogError(f"fix {fix_id} on {release}: 'patched' and patch files go together")
         if status is Status.UPSTREAM and not raw.get("since"):
             raise CatalogError(f"fix {fix_id} on {release}: 'upstream' needs 'since'")
-        statuses[release] = ReleaseStatus(status, raw["reason"], patches, raw.get("since"))
+        if (status is Status.PATCHED) != bool(raw.get("path")):
+            raise CatalogError(
+                f"fix {fix_id} on {release}: 'patched' names the code path that reaches the bug"
+                " ('path'), and only 'patched' does"
+            )
+        statuses[release] = ReleaseStatus(
+            status,
+            raw["reason"],
+            patches,
+            raw.get("since"),
+            raw.get("path"),
+            tuple(raw.get("modes", ())),
+        )
     return Fix(
         id=fix_id,
         title=entry["title"],
@@ -157,7 +210,36 @@ def _fix(entry: dict[str, Any], releases: tuple[str, ...]) -> Fix:
         seeds=tuple(entry["seeds"]),
         upstream=tuple(entry["upstream"]),
         releases=statuses,
+        upstream_tests=_upstream_tests(fix_id, entry.get("upstream_tests"), releases),
     )
+
+
+def _upstream_tests(
+    fix_id: str, raw: dict[str, Any] | None, releases: tuple[str, ...]
+) -> UpstreamTests | None:
+    if raw is None:
+        return None
+    tests = UpstreamTests(
+        sdist=raw["sdist"],
+        cpu=tuple(raw.get("cpu", ())),
+        gpu=tuple(raw.get("gpu", ())),
+        support=tuple(raw.get("support", ())),
+        left_out=tuple(
+            LeftOut(o["test"], o["reason"], tuple(o.get("releases", ())))
+            for o in raw.get("left_out", ())
+        ),
+        shows_bug=raw.get("shows_bug", True),
+        note=raw.get("note", ""),
+    )
+    if tests.sdist not in releases:
+        raise CatalogError(f"fix {fix_id}: upstream tests from unknown release {tests.sdist}")
+    for test in (*tests.cpu, *tests.gpu):
+        if "::" not in test or not test.startswith("tests/"):
+            raise CatalogError(f"fix {fix_id}: upstream test {test!r} is not tests/FILE::function")
+    for left in tests.left_out:
+        if not set(left.releases) <= set(releases):
+            raise CatalogError(f"fix {fix_id}: left-out test {left.test} names unknown releases")
+    return tests
 
 
 def _check_series(catalog: Catalog) -> None:

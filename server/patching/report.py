@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.patching.catalog import Catalog
+from server.patching.catalog import Catalog, UpstreamTests
 from server.patching.engine import FixState
 
 _SHORT = {"patched": "patched", "upstream": "upstream", "not-affected": "n/a"}
@@ -62,9 +62,12 @@ def catalog_json(catalog: Catalog) -> dict[str, Any]:
                         "reason": claim.reason,
                         "patches": list(claim.patches),
                         "since": claim.since,
+                        "path": claim.path,
+                        "modes": list(claim.modes),
                     }
                     for release, claim in fix.releases.items()
                 },
+                "upstream_tests": _upstream_tests_json(fix.upstream_tests),
             }
             for fix in catalog.fixes
         ],
@@ -87,15 +90,55 @@ def states_json(version: str, release: str, states: list[FixState]) -> dict[str,
     }
 
 
+def _upstream_tests_json(tests: UpstreamTests | None) -> dict[str, Any] | None:
+    if tests is None:
+        return None
+    return {
+        "sdist": tests.sdist,
+        "cpu": list(tests.cpu),
+        "gpu": list(tests.gpu),
+        "shows_bug": tests.shows_bug,
+        "left_out": [
+            {"test": o.test, "releases": list(o.releases), "reason": o.reason}
+            for o in tests.left_out
+        ],
+        "note": tests.note,
+    }
+
+
+def _proof(tests: UpstreamTests | None) -> list[str]:
+    """`patches list --verbose`: the upstream tests that prove a fix, and those left out."""
+    if tests is None:
+        return ["  proven by: no upstream test"]
+    lines = [f"  proven by upstream's tests (vLLM {tests.sdist} sdist, run unchanged):"]
+    for kind, names in (("cpu", tests.cpu), ("gpu", tests.gpu)):
+        lines += [f"    {kind}  {name.removesuffix('::')}" for name in names]
+    if not tests.shows_bug:
+        lines.append("    (a regression guard: passes with or without the fix)")
+    for left in tests.left_out:
+        where = ", ".join(left.releases) or "every release"
+        lines.append(f"    not on {where}: {left.test.split('::')[-1]}: {left.reason}")
+    if tests.note:
+        lines.append(f"    note: {tests.note}")
+    return lines
+
+
 def details(catalog: Catalog) -> str:
-    """Each fix's title, symptom and references, for `patches list --verbose`."""
+    """Each fix's title, symptom, references, the code path per patched release and the
+    upstream tests that prove it, for `patches list --verbose`."""
     blocks = []
     for fix in catalog.fixes:
-        blocks.append(
-            f"{fix.id}: {fix.title}\n"
-            f"  symptom:  {fix.symptom}\n"
-            f"  models:   {', '.join(fix.models)}\n"
-            f"  layouts:  {', '.join(fix.layouts)}\n"
-            f"  upstream: {', '.join(fix.upstream)}"
-        )
+        lines = [
+            f"{fix.id}: {fix.title}",
+            f"  symptom:  {fix.symptom}",
+            f"  models:   {', '.join(fix.models)}",
+            f"  layouts:  {', '.join(fix.layouts)}",
+            f"  upstream: {', '.join(fix.upstream)}",
+        ]
+        for release, claim in fix.releases.items():
+            if claim.path:
+                modes = f" [{', '.join(claim.modes)}]" if claim.modes else ""
+                lines.append(f"  path {release}{modes}: {claim.path}")
+        lines += _proof(fix.upstream_tests)
+        blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -2,8 +2,10 @@
 
 - topk conversion: side stream ordered by the fine-grained event (FULL/eager)
   vs by `wait_stream` (the piecewise fix), vLLM 0.30.0+ index group;
-- C128A metadata: build + a consumer reading the rows, packed at the batch's
-  width (pristine 0.27.1) vs full width at the capacity stride (fixed);
+- C128A metadata: build + a consumer reading the rows at the width the tree's builder
+  asks for: packed at the batch's width (pristine 0.27.1), the batch's width at the
+  capacity stride (upstream's final form: 0.29.0 on, patched 0.27.1), the whole
+  capacity (upstream's first form, 0.28.0);
 - DeepSeek-V4 indexer during capture: the captured shortcut vs the captured
   scoring path (a torch stand-in for DeepGEMM's scoring), capture and replay.
 
@@ -23,9 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository: server.patching (vllm_tree.py)
+sys.path.insert(0, str(HERE.parent))  # tests/: vllm_tree
+sys.path.insert(0, str(HERE))  # scenarios
 
-import scenarios
+import scenarios  # noqa: E402
 
 
 def gpu_median_us(work: Callable[[], object], runs: int = 200, warmup: int = 20) -> float:
@@ -63,11 +68,25 @@ def topk_convert() -> dict[str, float]:
     return {"wait_event_us": event, "wait_stream_us": stream}
 
 
+def c128a_builder_width(active: int, capacity: int) -> int:
+    """The width this tree's metadata builder passes for a batch: the adaptive one, or the
+    whole capacity (upstream's first form, 0.28.0), read from the builder's own code."""
+    import inspect
+
+    from vllm.models.deepseek_v4 import sparse_mla
+
+    builder = getattr(sparse_mla, "DeepseekV4SparseMLAMetadataBuilder", None) or (
+        sparse_mla.DeepseekV4FlashMLAMetadataBuilder
+    )
+    source = inspect.getsource(builder._build_c128a_metadata)
+    return capacity if "max_compressed_tokens=self.c128a_max_compressed" in source else active
+
+
 def c128a(fixed: bool) -> dict[str, float | int]:
     from vllm.models.deepseek_v4.sparse_mla import build_c128a_topk_metadata
 
     ratio, capacity, tokens, block, seq_len = 128, 8192, 64, 2, 300 * 128
-    width = capacity if fixed else 512  # the 0.27.1 builder's width for this batch
+    width = c128a_builder_width(512, capacity)  # 512: next power of two of 300 rows
     table = torch.arange(tokens * 4096, dtype=torch.int32, device="cuda").view(tokens, 4096)
     decode = torch.zeros((tokens, capacity), dtype=torch.int32, device="cuda")
     prefill = torch.zeros((tokens, capacity), dtype=torch.int32, device="cuda")
@@ -87,6 +106,7 @@ def c128a(fixed: bool) -> dict[str, float | int]:
     view = build()
     return {
         "width": width,
+        "row_stride": view.stride(0),
         "build_us": gpu_median_us(build),
         "consumer_read_us": gpu_median_us(lambda: torch.sum(view, dim=1, out=sink)),
     }
@@ -119,7 +139,6 @@ def main() -> int:
     parser.add_argument("--vllm-tree", type=Path, required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(args.vllm_tree.resolve()))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from vllm_tree import Expect
 
     expect = Expect(args.release, args.state)

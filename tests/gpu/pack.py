@@ -3,13 +3,16 @@
 For each packed release: the files of its pristine tree that the GPU suite
 imports (its import closure, found by importing those modules here on the CPU;
 the patched tree is made there by `mla-serve patches apply`), as one .tar.xz.
-Plus the light cp312 wheels of tests/gpu/wheels.txt (tests/carry.py).
+Plus the light cp312 wheels of tests/gpu/wheels.txt (tests/carry.py), and upstream's
+CUDA tests for the fixes (catalog `gpu`), unchanged from vLLM's sdists, in
+upstream-tests/<release>/ (tests/upstream.py reads them there).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import carry  # noqa: E402
 import trees  # noqa: E402
+import upstream  # noqa: E402
 
 RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.33.0")
 LIMIT_MIB = 56  # leaves room for the repository itself in the 64 MiB a run carries
@@ -39,6 +43,9 @@ IMPORTS = (
     "vllm.v1.attention.ops.dcp",
     "vllm.models.deepseek_v4.attention",
     "vllm.models.deepseek_v4.sparse_mla",
+    "vllm.v1.worker.gpu.cudagraph_utils",  # tests/gpu/dsv4_capture.py: the V2 runner's capture
+    "vllm.v1.worker.gpu.model_states.default",
+    "vllm._custom_ops",
 )
 EXTRA = (  # whole subtrees on the GPU code paths
     "vllm/v1", "vllm/distributed", "vllm/config", "vllm/compilation", "vllm/platforms",
@@ -49,6 +56,12 @@ CLOSURE = """
 import importlib, os, sys
 root = os.path.abspath(sys.argv[1])
 for name in sys.argv[2:]:
+    if name.startswith("tests."):  # upstream's test modules: what they import, if they can
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: S110 (pytest.skip at module level is a BaseException)
+            pass
+        continue
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as error:
@@ -61,11 +74,27 @@ for module in list(sys.modules.values()):
 """
 
 
+def upstream_gpu_tests() -> dict[str, tuple[str, ...]]:
+    """The files of upstream's CUDA tests (catalog `gpu`), per sdist, extracted here."""
+    files: dict[str, set[str]] = {}
+    for fix in upstream.catalog_.load().fixes:
+        tests = fix.upstream_tests
+        if tests and tests.gpu:
+            files.setdefault(tests.sdist, set()).update(tests.files())
+    return {sdist: tuple(sorted(names)) for sdist, names in files.items()}
+
+
 def closure(release: str) -> list[str]:
     tree = trees.pristine(release)
+    modules = [
+        name.removesuffix(".py").replace("/", ".")
+        for names in upstream_gpu_tests().values()
+        for name in names
+    ]
+    roots = [str(upstream.CACHE / "upstream-tests" / sdist) for sdist in upstream_gpu_tests()]
     result = subprocess.run(
-        [sys.executable, "-c", CLOSURE, str(tree), *IMPORTS],
-        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        [sys.executable, "-c", CLOSURE, str(tree), *IMPORTS, *modules],
+        env={"PYTHONPATH": os.pathsep.join([str(tree), *roots]), "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     imported = {
@@ -90,6 +119,12 @@ def main() -> int:
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     (args.out / "trees").mkdir(parents=True)
+    for sdist, names in upstream_gpu_tests().items():  # upstream's CUDA tests, unchanged
+        source = upstream.extract(sdist, names)
+        for name in (*names, *(str(p.relative_to(source)) for p in source.rglob("__init__.py"))):
+            target = args.out / "upstream-tests" / sdist / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / name, target)
     sizes = {}
     for release in RELEASES:
         files = closure(release)

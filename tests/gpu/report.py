@@ -40,8 +40,10 @@ def main(results: Path) -> int:
     for junit in sorted((results / "runs").glob("junit-*.xml")):
         key = junit.stem.removeprefix("junit-")
         bench = results / "runs" / f"bench-{key}.json"
+        upstream = results / "runs" / f"upstream-{key}.json"
         runs[key] = {
             "cases": cases(junit),
+            "upstream": json.loads(upstream.read_text())["cases"] if upstream.is_file() else None,
             "bench": json.loads(bench.read_text()) if bench.is_file() else None,
         }
     summary = {
@@ -52,7 +54,18 @@ def main(results: Path) -> int:
     }
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     failed = [c["test"] for run in runs.values() for c in run["cases"] if c["outcome"] == "failed"]
-    print(f"{len(runs)} tree runs; {len(failed)} failed case(s)")
+    wrong = [
+        f"{key}: {c['test']} {c['outcome']} (expected to {c['expect']})"
+        for key, run in runs.items()
+        for c in run["upstream"] or []
+        if not c["ok"]
+    ]
+    missing_bench = [key for key, run in runs.items() if run["bench"] is None]
+    print(f"{len(runs)} tree runs; {len(failed)} failed case(s); {len(wrong)} upstream test(s)"
+          f" not as the catalog says; bench missing for {missing_bench or 'none'}")  # fmt: skip
+    for line in wrong:
+        print("  " + line)
+    failed += wrong + missing_bench
     return 1 if failed else 0
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-test`, on the GPU machine (no network): unpack the trees that
 # `make gpu-pack` made, patch copies with mla-serve itself, run the GPU suite and
-# the GPU benchmarks on every tree, and write the results (JUnit XML per tree,
-# bench JSON per tree, one summary JSON) to $OUT or tests/gpu/results/.
+# upstream's own CUDA tests for the fixes and the GPU benchmarks on every tree, and write
+# the results (JUnit XML, upstream verdicts and bench JSON per tree, one summary JSON) to
+# $OUT or tests/gpu/results/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PACK=${1:-build/gpu-pack}
@@ -28,6 +29,10 @@ for archive in "$PACK"/trees/vllm-*.tar.xz; do
     $PYTHON -m pytest -q -rs -p no:cacheprovider tests/gpu \
       --vllm-tree "$WORK/$release/$state" --vllm-state "$state" \
       --junitxml "$RESULTS/runs/junit-$release-$state.xml" || status=1
+    # upstream's own CUDA tests for the fixes (catalog [fix.upstream_tests] gpu), unchanged
+    HF_HUB_OFFLINE=1 MLA_SERVE_CACHE="$PACK" $PYTHON tests/upstream.py gpu --tree "$WORK/$release/$state" \
+      --release "$release" --state "$state" \
+      --out "$RESULTS/runs/upstream-$release-$state.json" || status=1
     $PYTHON tests/gpu/bench_gpu.py --release "$release" --state "$state" \
       --vllm-tree "$WORK/$release/$state" \
       --out "$RESULTS/runs/bench-$release-$state.json" || status=1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -93,7 +95,70 @@ def test_c128a_metadata_views_keep_the_capacity_row_stride(expect, width):
     if fixed:
         assert global_decode.stride(0) == decode.stride(0) == capacity
         assert prefill_local.stride(0) == prefill.stride(0)
+        # Upstream's final form (0.29.0 on, and our 0.27.1 backport) keeps the batch's
+        # adaptive width; its first form (0.28.0) hands out the whole capacity width.
+        first_form = expect.release == "0.28.0"
+        assert (
+            global_decode.shape[1] == prefill_local.shape[1] == (capacity if first_form else width)
+        )
     else:
         # Packed at this batch's width: a consumer captured at another width
         # reads every row after the first at the wrong offset.
         assert global_decode.stride(0) == width != decode.stride(0)
+
+
+def test_capture_metadata_of_vllms_v2_runner(expect):
+    """The claim behind dsv4-indexer-capture-shortcut's 0.27.1 path, on vLLM's own code:
+    FULL graphs are captured on metadata at max_model_len (the scoring path gets captured);
+    PIECEWISE ones on the dummy batch's own lengths (the shortcut's condition holds), which
+    matters only where the indexer runs inside a captured segment (tests/gpu/dsv4_capture.py
+    checks that on the GPU)."""
+    if expect.release != "0.27.1":
+        pytest.skip("0.27.1's V2 runner (the patched cell under scrutiny)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from dsv4_capture import MAX_MODEL_LEN, capture_max_seq_len
+
+    assert capture_max_seq_len(True, device="cpu") == MAX_MODEL_LEN
+    assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
+
+
+def _indexer_call_sites(source: str) -> dict[str, bool]:
+    """DeepseekV4Attention's methods that call its indexer, and whether each is an
+    `@eager_break_during_capture` region (run eagerly, not captured, under breakable graphs)."""
+    import ast
+
+    owner = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.name == "DeepseekV4Attention"
+    )
+    sites = {}
+    for method in owner.body:
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        calls = [
+            n
+            for n in ast.walk(method)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name | ast.Attribute)
+            and getattr(n.func, "id", getattr(n.func, "attr", None)) == "indexer"
+        ]
+        if calls:
+            decorators = {getattr(d, "id", getattr(d, "attr", None)) for d in method.decorator_list}
+            sites[method.name] = "eager_break_during_capture" in decorators
+    return sites
+
+
+def test_where_the_indexer_runs_under_breakable_capture(expect):
+    """0.27.1 calls the indexer only inside an eager-break region (the catalog's path for
+    dsv4-indexer-capture-shortcut there); from 0.28.0 (vllm#51430) it is also called from an
+    undecorated method that the V2 runner captures: the release where upstream saw the bug."""
+    if expect.release not in ("0.27.1", "0.28.0"):
+        pytest.skip("the release that moved the indexer (0.28.0) and the one before it")
+    from vllm.models.deepseek_v4 import attention
+
+    sites = _indexer_call_sites(Path(attention.__file__).read_text(encoding="utf-8"))
+    if expect.release == "0.27.1":
+        assert sites == {"attention_impl": True}
+    else:
+        assert sites.get("_prepare_and_attn") is False

@@ -1,0 +1,89 @@
+"""Upstream's own tests for each fix, unchanged, on every release tree (CPU ones here;
+the CUDA ones run in the GPU suite). The catalog says which: pristine trees of affected
+releases must fail them (the bug is there), patched trees and releases that carry the fix
+must pass them. See tests/upstream.py for where the tests come from."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+import trees
+import upstream
+
+from server import cli
+from server.patching import catalog
+
+CATALOG = catalog.load()
+RUNS = [
+    (release, state)
+    for release in CATALOG.releases
+    for state in ("pristine", "patched")
+    if upstream.cases(CATALOG, release, state, "cpu")
+    and (state == "pristine" or CATALOG.series(release).patches)
+]
+
+
+def _files() -> dict[str, Path]:
+    """Each sdist's extracted tests, fetched once (cached under .cache)."""
+    roots = {}
+    for fix in CATALOG.fixes:
+        if fix.upstream_tests:
+            sdist = fix.upstream_tests.sdist
+            needed = tuple(
+                f.upstream_tests.files()
+                for f in CATALOG.fixes
+                if f.upstream_tests and f.upstream_tests.sdist == sdist
+            )
+            roots[sdist] = upstream.extract(sdist, tuple(sorted({n for g in needed for n in g})))
+    return roots
+
+
+@pytest.fixture(scope="module")
+def sdist_roots() -> dict[str, Path]:
+    return _files()
+
+
+@pytest.mark.parametrize(("release", "state"), RUNS)
+def test_upstream_tests_fail_on_the_bug_and_pass_with_the_fix(
+    release: str, state: str, tmp_path: Path, sdist_roots: dict[str, Path]
+):
+    if importlib.util.find_spec("torch") is None:
+        pytest.fail("torch is not installed: run `make test`, which installs the CPU build")
+    target = trees.pristine(release)
+    if state == "patched":
+        target = trees.clone(release, tmp_path / "tree")
+        assert cli.main(["patches", "apply", "--target", str(target)]) == 0
+    selected = upstream.cases(CATALOG, release, state, "cpu")
+    outcomes = upstream.run(target, selected, tmp_path / "report.json")
+    wrong = [w for c in selected if (w := upstream.verdict(c, outcomes[c.test]))]
+    assert not wrong, "\n".join(wrong)
+    # Every patched release runs them on both trees, so each one shows the bug and the fix.
+    if state == "pristine" and CATALOG.series(release).patches:
+        assert any(c.expect == "fail" for c in selected), "no upstream test shows the bug here"
+
+
+def test_every_named_upstream_test_exists_in_its_sdist(sdist_roots: dict[str, Path]):
+    """The catalog names functions the sdist really has (a typo would look like a skip)."""
+    for fix in CATALOG.fixes:
+        tests = fix.upstream_tests
+        assert tests is not None, f"{fix.id} names no upstream tests"
+        for test in (*tests.cpu, *tests.gpu, *(o.test for o in tests.left_out)):
+            path, _, function = test.partition("::")
+            source = (sdist_roots[tests.sdist] / path).read_text(encoding="utf-8")
+            defined = {
+                n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)
+            }
+            assert not function or function in defined, f"{fix.id}: {test} not in the sdist"
+
+
+def test_left_out_tests_name_a_reason_and_every_patched_cell_its_code_path():
+    for fix in CATALOG.fixes:
+        assert fix.upstream_tests is not None
+        for left in fix.upstream_tests.left_out:
+            assert len(left.reason) > 40, (fix.id, left.test)
+        for release in CATALOG.releases:
+            claim = fix.on(release)
+            assert (claim.status is catalog.Status.PATCHED) == bool(claim.path), (fix.id, release)

@@ -1,0 +1,36 @@
+"""pytest plugin (`-p upstream_report`) for the upstream suite: writes each test's outcome
+and each file's collection result to $MLA_SERVE_UPSTREAM_REPORT as JSON, so that
+tests/upstream.py reads them without parsing pytest's text. Upstream's test files run with
+`--noconftest`, so this is the only plugin of ours in that pytest."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+_TESTS: dict[str, str] = {}
+_COLLECT: dict[str, str] = {}
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.nodeid and "::" not in report.nodeid:
+        _COLLECT[report.nodeid] = "failed" if report.failed else "passed"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    previous = _TESTS.get(report.nodeid)
+    if report.failed:
+        _TESTS[report.nodeid] = "failed"
+    elif report.skipped and previous != "failed":
+        _TESTS[report.nodeid] = "skipped"
+    elif report.when == "call" and previous is None:
+        _TESTS[report.nodeid] = "passed"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = os.environ.get("MLA_SERVE_UPSTREAM_REPORT")
+    if target:
+        Path(target).write_text(json.dumps({"tests": _TESTS, "collect": _COLLECT}, indent=1))
