@@ -4,8 +4,10 @@ for a declared target GPU.
 
 stdin:  {"out": FILE, "third_party": DIR (holds vllm/third_party/ from the release's wheel),
          "platform": {"name", "capability": [major, minor], "memory_bytes"},
-         "targets": {label: {"argv": [...], "model_dir": DIR, "kv_budget_bytes": int | null}}}
-out:    (the file named by the request's "out") {label: {"stage": "ok" | "args" | "config" | "pcp" | "kv", "error": str | null,
+         "targets": {label: {"argv": [...], "model_dir": DIR, "kv_budget_bytes": int | null,
+                             "plan_kv_tokens": int | null}}}
+out:    (the file named by the request's "out") {label: {"stage": "ok" | "skipped" | "args" |
+                 "config" | "pcp" | "kv", "error": str | null,
                  "facts": {...}, "not_checked": [str, ...]}}
 
 What runs is vLLM's code, unchanged:
@@ -38,6 +40,7 @@ CUDA kernels, imported before the target is declared.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import traceback
@@ -84,7 +87,7 @@ def declare(platform: dict[str, Any], third_party: str) -> None:
 
     # Imported under the CPU platform: modules that import CUDA kernels at import time when
     # the platform is CUDA (attention utilities via the model loader).
-    import vllm.model_executor.model_loader  # noqa: F401
+    import vllm.model_executor.model_loader
     import vllm.platforms as platforms
     from vllm.platforms.cuda import CudaPlatformBase
     from vllm.platforms.interface import DeviceCapability
@@ -133,9 +136,13 @@ def kv_cache_specs(config: Any) -> dict[str, Any]:
     from vllm.v1.attention.selector import get_attn_backend
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
 
+    from server.sizing import dsv4
     from server.sizing import shape as sizing_shape
 
-    shape = sizing_shape.from_config(config.model_config.hf_config.to_dict(), "probe")
+    hf = config.model_config.hf_config.to_dict()
+    if dsv4.is_dsv4(hf) or getattr(config.model_config.hf_text_config, "compress_ratios", None):
+        raise NotImplementedError("DeepSeek-V4's compressed cache")
+    shape = sizing_shape.from_config(hf, "probe")
     if shape.linear_layers:
         raise NotImplementedError("hybrid (linear-attention) layers")
     cache = config.cache_config
@@ -204,6 +211,17 @@ def check(target: dict[str, Any]) -> dict[str, Any]:
         # The reasoning config reads token ids from the tokenizer, which is not shipped.
         args.reasoning_parser = None
         args.model = target["model_dir"]
+        config_json = json.loads((Path(target["model_dir"]) / "config.json").read_text())
+        glm5next = any(a.startswith("Glm5Next") for a in config_json.get("architectures", []))
+        if glm5next and importlib.util.find_spec("torchvision") is None:
+            # vllm/models/glm5next imports transformers' GLM-4V image processor, which
+            # imports torchvision; there is no CPU build of it for this torch here.
+            result["stage"] = "skipped"
+            result["error"] = (
+                "vLLM's configuration path not run: inspecting "
+                f"{config_json['architectures'][0]} imports torchvision (not installed)"
+            )
+            return result
         engine = AsyncEngineArgs.from_cli_args(args)
         result["stage"] = "config"
         config = engine.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -231,8 +249,15 @@ def check(target: dict[str, Any]) -> dict[str, Any]:
             except NotImplementedError as missing:
                 not_checked.append(
                     f"vLLM's KV-cache check: the probe does not build specs for {missing}; "
-                    "the plan's token count is checked instead"
+                    "mla-serve plan's token count is checked against max_model_len instead"
                 )
+                tokens = int(target["plan_kv_tokens"])
+                facts["plan_kv_tokens"] = tokens
+                if tokens < config.model_config.max_model_len:
+                    raise ValueError(
+                        f"mla-serve plan: {tokens} KV tokens per rank, fewer than "
+                        f"max_model_len {config.model_config.max_model_len}"
+                    ) from None
             else:
                 from vllm.v1.attention.backends.utils import (
                     get_supported_kv_cache_layouts,
@@ -259,7 +284,11 @@ def check(target: dict[str, Any]) -> dict[str, Any]:
     except BaseException as error:  # argparse exits with SystemExit
         result["error"] = f"{type(error).__name__}: {error}"
         frames = traceback.extract_tb(error.__traceback__)
-        result["where"] = [f"{f.filename.rsplit('/vllm/', 1)[-1]}:{f.lineno}" for f in frames if "importlib" not in f.filename][-8:]
+        result["where"] = [
+            f"{f.filename.rsplit('/vllm/', 1)[-1]}:{f.lineno}"
+            for f in frames
+            if "importlib" not in f.filename
+        ][-8:]
     return result
 
 
