@@ -413,3 +413,47 @@ def test_labels_cli_check(applied_029: dict[str, object], tmp_path: Path) -> Non
     assert result.returncode == 1
     assert "series digest" in result.stderr
     assert "dcp-workspace-sizing" in result.stdout
+
+
+def _build(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """docker/build.sh with a `docker` stand-in that logs its arguments and drains the context."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    docker = bin_dir / "docker"
+    docker.write_text('#!/bin/sh\necho "docker $*" >> "$STUB_LOG"\ncat > /dev/null\n')
+    docker.chmod(0o755)
+    log = tmp_path / "docker.log"
+    log.write_text("")
+    result = subprocess.run(
+        ["bash", str(DOCKER / "build.sh")],
+        env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "STUB_LOG": str(log),
+            "PYTHON": sys.executable,
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    return result, log.read_text()
+
+
+def test_build_targets_the_platform_asked_for(tmp_path: Path) -> None:
+    """`make image` builds one image per architecture: PLATFORM reaches `docker build
+    --platform`, and the default tag says the architecture."""
+    result, log = _build(tmp_path, PLATFORM="linux/arm64")
+    assert result.returncode == 0, result.stderr
+    assert "--platform linux/arm64" in log
+    assert "-vllm0.33.0-arm64 " in log
+    result, log = _build(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "--platform" not in log and "-arm64" not in log
+
+
+def test_build_refuses_an_unknown_platform_in_one_line(tmp_path: Path) -> None:
+    result, log = _build(tmp_path, PLATFORM="linux/s390x")
+    assert result.returncode == 2 and log == ""
+    assert result.stderr.count("\n") == 1 and "PLATFORM must be" in result.stderr
