@@ -30,12 +30,18 @@ What runs is vLLM's code, unchanged:
 
 The target GPU is declared, not detected: `DeclaredGpu` is vLLM's CUDA platform class
 with the device queries (name, compute capability, memory) answered from the request, so
-every `current_platform` check in the configuration path sees the target. Three things
+every `current_platform` check in the configuration path sees the target. Four things
 stand in for what a CPU lacks, each said where it is done: the compiled CUDA op library
 (`vllm._C_stable_libtorch`, which vllm/platforms/cuda.py imports for its op registration;
 no configuration step calls an op), Triton (present in vLLM's image; vLLM picks Model
-Runner V2 only with it), and the modules whose import branches on the platform to load
-CUDA kernels, imported before the target is declared.
+Runner V2 only with it), the modules whose import branches on the platform to load CUDA
+kernels (imported before the target is declared), and CUTLASS_MLA's module, which allocates
+CUDA memory when imported (made unimportable: the selector records it unavailable, as it
+would refuse a sparse model anyway).
+
+Not built here, and said in the report: DeepSeek-V4's compressed-cache specs (its fit is
+checked with `mla-serve plan`'s token count instead), and GLM-5.3-Flash's whole configuration
+path (vLLM's model inspection imports torchvision, which has no CPU build for this torch).
 """
 
 from __future__ import annotations
