@@ -515,7 +515,8 @@ def test_dsv4_cache_is_vllms_compressed_layout():
     shape_ = dsv4.from_config(cfg)
     cache = dsv4.cache(shape_, "fp8_ds_mla", dcp=1)
     assert cache.compressed == {4: 21, 128: 20} and cache.indexer_layers == 21
-    assert cache.bytes_per_token == 21 * (584 / 4 + 132 / 4) + 20 * 584 / 128
+    # 256-token pages rounded up to 576 B: 64 x 584 -> 37,440; 2 x 584 -> 1,728; 64 x 132 -> 8,640
+    assert cache.bytes_per_token == (21 * (37_440 + 8_640) + 20 * 1_728) / 256
     assert dsv4.cache(shape_, "fp8_ds_mla", dcp=2).bytes_per_token == cache.bytes_per_token / 2
     # per sequence: 43 sliding windows of 128 tokens, the compressors' fp32 states
     swa = 43 * 128 * 584

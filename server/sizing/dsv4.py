@@ -4,6 +4,8 @@ DeepSeek-V4 has no MLA latent cache. Every layer keeps a sliding window of raw K
 `compress_ratios[l]` = c > 1 also keep one compressed 512-wide state per c tokens, and the
 c = 4 layers an indexer K cache per 4 tokens:
 
+- pages of 256 tokens, each rounded up to the spec's alignment (576 B for fp8_ds_mla, 512 B
+  for plain rows): a ratio-128 page holds 2 states of 584 B in 1,728 B;
 - compressed KV (`DeepseekV4Attention.get_kv_cache_spec`, c > 1): on SM100 vLLM runs the
   FlashMLA path (`_select_dsv4_attn_cls`: FlashInfer only when asked for, or on SM12x), which
   stores fp8_ds_mla states of 584 B (448 B NoPE fp8 + 128 B RoPE bf16 + 8 B scales) per c
@@ -129,21 +131,35 @@ class Cache:
     indexer_state_bytes: int
     dcp: int
     bytes_per_sequence: int
+    alignment: int = 1  # page alignment (576 for fp8_ds_mla)
 
     @property
     def bytes_per_token_total(self) -> Fraction:
         per_token = sum(
             (
-                Fraction(self.kv_row_bytes * layers, ratio)
+                layers * page_bytes_per_token(ratio, self.kv_row_bytes, self.alignment)
                 for ratio, layers in self.compressed.items()
             ),
             Fraction(0),
         )
-        return per_token + Fraction(self.indexer_layers * self.indexer_state_bytes, 4)
+        indexer = page_bytes_per_token(4, self.indexer_state_bytes, self.alignment)
+        return per_token + self.indexer_layers * indexer
 
     @property
     def bytes_per_token(self) -> Fraction:
         return self.bytes_per_token_total / self.dcp
+
+
+PAGE_TOKENS = 256
+"""DeepSeek-V4's KV pages hold 256 tokens (vllm/models/deepseek_v4: 64 states at ratio 4)."""
+
+
+def page_bytes_per_token(ratio: int, state_bytes: int, alignment: int) -> Fraction:
+    """A 256-token page's bytes per token: 256 / ratio states, the page rounded up to the
+    alignment, as vLLM's `MLAAttentionSpec(tokens_per_state=ratio, alignment=...)` sizes it."""
+    states = PAGE_TOKENS // ratio
+    page = -(-states * state_bytes // alignment) * alignment
+    return Fraction(page, PAGE_TOKENS)
 
 
 def cache(shape: Shape, kv_cache_dtype: str, dcp: int) -> Cache:
@@ -176,6 +192,7 @@ def cache(shape: Shape, kv_cache_dtype: str, dcp: int) -> Cache:
         indexer_state_bytes=indexer,
         dcp=dcp,
         bytes_per_sequence=swa + states,
+        alignment=576 if kv_cache_dtype == "fp8_ds_mla" else 512,
     )
 
 
