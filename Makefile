@@ -108,13 +108,31 @@ BASE_IMAGE ?= vllm/vllm-openai:v$(VLLM_VERSION)
 VLLM_SOURCE ?= base
 
 .PHONY: image image-smoke lock
-image:  ## build the image (IMAGE=tag BASE_IMAGE=… VLLM_SOURCE=base|index VLLM_VERSION=…)
-	IMAGE='$(IMAGE)' VLLM_VERSION='$(VLLM_VERSION)' BASE_IMAGE='$(BASE_IMAGE)' \
-	  VLLM_SOURCE='$(VLLM_SOURCE)' PYTHON='$(PYTHON)' docker/build.sh
+# PLATFORMS: one image per architecture, tagged <tag>-amd64 and <tag>-arm64 (GB200/GB300
+# nodes are arm64); `image-manifest` pushes both and joins them under <tag>, which each node
+# then pulls for its own architecture. PLATFORMS= (empty) builds the host's only, untagged.
+PLATFORMS ?= linux/amd64 linux/arm64
+PLATFORM ?=
+
+.PHONY: image-manifest
+image:  ## build the image per platform (PLATFORMS=… IMAGE=tag BASE_IMAGE=… VLLM_SOURCE=base|index VLLM_VERSION=…)
+	@set -e; for platform in $(or $(PLATFORMS),host); do \
+	  if [ "$$platform" = host ]; then platform=; tag='$(IMAGE)'; \
+	  else tag='$(IMAGE)'; tag=$${tag:+$$tag-$${platform#linux/}}; fi; \
+	  IMAGE="$$tag" PLATFORM="$$platform" VLLM_VERSION='$(VLLM_VERSION)' BASE_IMAGE='$(BASE_IMAGE)' \
+	    VLLM_SOURCE='$(VLLM_SOURCE)' PYTHON='$(PYTHON)' docker/build.sh; \
+	done
+
+image-manifest:  ## push IMAGE-amd64 and IMAGE-arm64 and join them as one multi-arch IMAGE
+	@test -n '$(IMAGE)' || { echo "make image-manifest: set IMAGE=registry/name:tag" >&2; exit 2; }
+	docker push '$(IMAGE)-amd64'
+	docker push '$(IMAGE)-arm64'
+	docker manifest create --amend '$(IMAGE)' '$(IMAGE)-amd64' '$(IMAGE)-arm64'
+	docker manifest push '$(IMAGE)'
 
 lock:  ## hash locks for VLLM_SOURCE=index: docker/locks/vllm-<release>.txt (RELEASES="0.33.0 …")
 	PYTHON='$(PYTHON)' docker/lock.sh $(RELEASES)
 
-image-smoke:  ## build the image without a registry, check it inside, print its size
-	VLLM_VERSION='$(VLLM_VERSION)' PYTHON='$(PYTHON)' docker/smoke.sh
+image-smoke:  ## build the image without a registry, check it inside, print its size (PLATFORM=linux/arm64: under qemu)
+	VLLM_VERSION='$(VLLM_VERSION)' PLATFORM='$(PLATFORM)' PYTHON='$(PYTHON)' docker/smoke.sh
 # --- end image ---

@@ -13,6 +13,9 @@
 #                  with a warning, and base.digest is left empty.
 #   VLLM_SOURCE    base (BASE_IMAGE ships vLLM) or index (install vLLM from the package index)
 #   PYTHON         a Python that can import this checkout's `server` (default .venv/bin/python)
+#   PLATFORM       linux/amd64 or linux/arm64 (GB200/GB300 Grace nodes): `docker build
+#                  --platform`, and the default tag gets -amd64/-arm64; unset: the build
+#                  host's architecture, untagged (an arm64 build on x86 needs binfmt/qemu)
 #   DOCKER_BUILD_FLAGS  extra `docker build` flags (e.g. --network host, --target vllm)
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_CERT, PIP_DEFAULT_TIMEOUT
 #                  passed to the build's pip when set
@@ -57,6 +60,15 @@ resolve_digest() {
     fi
 }
 
+# Bad input first, before any lookup.
+PLATFORM="${PLATFORM:-}"
+suffix=""
+case "$PLATFORM" in
+    "") ;;
+    linux/amd64 | linux/arm64) suffix="-${PLATFORM#linux/}" ;;
+    *) echo "docker/build.sh: PLATFORM must be linux/amd64 or linux/arm64, not '$PLATFORM'" >&2; exit 2 ;;
+esac
+
 case "$BASE_IMAGE" in
     *@sha256:*) BASE_IMAGE_DIGEST="${BASE_IMAGE##*@}" ;;
     *@*) echo "docker/build.sh: BASE_IMAGE digest must be sha256: $BASE_IMAGE" >&2; exit 2 ;;
@@ -88,7 +100,7 @@ fi
 mapfile -t facts < <(PYTHONPATH="$PWD" "$PYTHON" docker/labels.py build-args "$VLLM_VERSION")
 [ "${#facts[@]}" -eq 3 ] || { echo "docker/build.sh: cannot read the catalog" >&2; exit 2; }
 version="$(printf '%s\n' "${facts[@]}" | sed -n 's/^MLA_SERVE_VERSION=//p')"
-IMAGE="${IMAGE:-mla-serve:${version}-vllm${VLLM_VERSION}}"
+IMAGE="${IMAGE:-mla-serve:${version}-vllm${VLLM_VERSION}${suffix}}"
 
 args=(
     --file docker/Dockerfile
@@ -100,6 +112,9 @@ args=(
     --build-arg "VLLM_SOURCE=${VLLM_SOURCE}"
     --build-arg "REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)"
 )
+if [ -n "$PLATFORM" ]; then
+    args+=(--platform "$PLATFORM")
+fi
 for fact in "${facts[@]}"; do
     args+=(--build-arg "$fact")
 done
@@ -111,7 +126,7 @@ done
 # shellcheck disable=SC2206 # word splitting of the extra flags is intended
 extra=(${DOCKER_BUILD_FLAGS:-})
 
-echo "docker build: $IMAGE (vLLM ${VLLM_VERSION} from ${VLLM_SOURCE}, base ${BASE_IMAGE})"
+echo "docker build: $IMAGE (vLLM ${VLLM_VERSION} from ${VLLM_SOURCE}, base ${BASE_IMAGE}${PLATFORM:+, $PLATFORM})"
 git ls-files -z --cached --others --exclude-standard -- \
         pyproject.toml README.md server patches docker |
     while IFS= read -r -d '' path; do

@@ -16,6 +16,10 @@
 #     --help`, and the HEALTHCHECK turns healthy on a running sidecar.
 #  6. Sizes: the image, the vLLM it is built on, and the layers mla-serve adds (at most
 #     MLA_SERVE_LAYER_LIMIT bytes, default 50 MB).
+# PLATFORM=linux/arm64 builds and checks the arm64 image (GB200/GB300 Grace nodes) on an x86
+# host under emulation: qemu-user-static registered through binfmt_misc (installed with
+# apt-get and mounted when missing; the script stops with one line where the kernel or the
+# container does not allow it). Expect it to take many times longer than a native run.
 # Images stay in .cache/docker/ so a second run is fast; `rm -rf .cache/docker` reclaims
 # the space (after the run: the private engine is stopped by then).
 set -euo pipefail
@@ -27,9 +31,17 @@ CACHE="${MLA_SERVE_CACHE:-$PWD/.cache}"
 STATE="$CACHE/docker"
 SUITE="${DEBIAN_SUITE:-bookworm}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-BASE="mla-serve-smoke/debian:${SUITE}"
-VLLM_IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}-base"
-IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}"
+PLATFORM="${PLATFORM:-}"
+arch=""
+case "$PLATFORM" in
+    "") ;;
+    linux/amd64) arch=amd64 ;;
+    linux/arm64) arch=arm64 ;;
+    *) echo "docker/smoke.sh: PLATFORM must be linux/amd64 or linux/arm64, not '$PLATFORM'" >&2; exit 2 ;;
+esac
+BASE="mla-serve-smoke/debian:${SUITE}${arch:+-$arch}"
+VLLM_IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}${arch:+-$arch}-base"
+IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}${arch:+-$arch}"
 LIMIT="${MLA_SERVE_LAYER_LIMIT:-50000000}"
 MANIFEST=/opt/mla-serve/manifest.json
 export DOCKER_BUILDKIT=0
@@ -52,6 +64,26 @@ if [ "${#need[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
 docker --version
+host_arch="$(dpkg --print-architecture)"
+if [ -n "$arch" ] && [ "$arch" != "$host_arch" ]; then
+    # Foreign architecture: its binaries run through qemu-user-static via binfmt_misc.
+    command -v qemu-aarch64-static >/dev/null || {
+        apt-get update -q
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user-static binfmt-support
+    }
+    if [ ! -e /proc/sys/fs/binfmt_misc/status ]; then
+        mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc 2>/dev/null || {
+            echo "docker/smoke.sh: binfmt_misc cannot be mounted here; $PLATFORM needs a host that can run its binaries" >&2
+            exit 2
+        }
+    fi
+    update-binfmts --enable "qemu-${arch/arm64/aarch64}" >/dev/null 2>&1 || true
+    [ -e "/proc/sys/fs/binfmt_misc/qemu-${arch/arm64/aarch64}" ] || {
+        echo "docker/smoke.sh: no binfmt_misc entry for qemu-${arch/arm64/aarch64}; $PLATFORM cannot be emulated here" >&2
+        exit 2
+    }
+    echo "emulating $PLATFORM with $(qemu-aarch64-static --version | head -1)"
+fi
 
 step 2/6 "Docker engine"
 dockerd_pid=""
@@ -93,7 +125,8 @@ else
     rm -rf "$rootfs"
     mkdir -p "$(dirname "$rootfs")"
     echo "debootstrap --variant=minbase $SUITE ($MIRROR), log in $STATE/debootstrap.log"
-    debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$rootfs" "$MIRROR" \
+    debootstrap --variant=minbase --include=ca-certificates ${arch:+--arch="$arch"} \
+        "$SUITE" "$rootfs" "$MIRROR" \
         >"$STATE/debootstrap.log" 2>&1 || { tail -20 "$STATE/debootstrap.log"; exit 1; }
     tail -1 "$STATE/debootstrap.log"
     # Trust what this host trusts: a build behind a TLS-inspecting proxy needs its CA.
@@ -115,7 +148,8 @@ EOF
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
         "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
     tar --numeric-owner -C "$rootfs" -c . |
-        docker import --change 'CMD ["/bin/bash"]' --message "debootstrap $SUITE minbase" - "$BASE"
+        docker import ${PLATFORM:+--platform "$PLATFORM"} --change 'CMD ["/bin/bash"]' \
+            --message "debootstrap $SUITE minbase" - "$BASE"
     rm -rf "$rootfs"
 fi
 echo "$BASE: $(mb "$(docker image inspect -f '{{.Size}}' "$BASE")")"
@@ -124,6 +158,7 @@ step 4/6 "build: vLLM $VLLM_VERSION from the package index, then mla-serve"
 # The base was imported here (no registry has it): no digest to look up.
 export VLLM_VERSION PYTHON BASE_IMAGE="$BASE" VLLM_SOURCE=index BASE_DIGEST_LOOKUP=local
 export PIP_CERT=/etc/ssl/certs/ca-certificates.crt  # the image's bundle, host CAs included
+export PLATFORM
 IMAGE="$IMAGE" DOCKER_BUILD_FLAGS="--network host" docker/build.sh
 # The stage the image is built on, tagged from the same build cache (nothing rebuilds):
 # everything above it in `docker history` is mla-serve's.

@@ -582,3 +582,25 @@ def test_build_records_the_lock_of_an_index_build(docker_stub: Path, tmp_path: P
     assert _build_args(log)["VLLM_LOCK_SHA256"] == ""  # the base image's own vLLM
     code, log, err = _build(docker_stub, tmp_path, base, VLLM_SOURCE="index", VLLM_VERSION="0.26.0")
     assert code == 2 and "no hash lock docker/locks/vllm-0.26.0.txt" in err and log == ""
+
+
+def test_build_targets_the_platform_asked_for(docker_stub: Path, tmp_path: Path) -> None:
+    """`make image` builds one image per architecture: PLATFORM reaches `docker build
+    --platform`, and the default tag says the architecture."""
+    base = "vllm/vllm-openai:v0.29.0"
+    code, log, err = _build(docker_stub, tmp_path, base, PLATFORM="linux/arm64",
+                            BASE_DIGEST_LOOKUP="none")  # fmt: skip
+    assert code == 0, err
+    args = log.splitlines()
+    assert args[args.index("--platform") + 1] == "linux/arm64"
+    assert any(arg.endswith("-vllm0.29.0-arm64") for arg in args)
+    code, log, err = _build(docker_stub, tmp_path, base, BASE_DIGEST_LOOKUP="none")
+    assert code == 0, err
+    assert "--platform" not in log.splitlines() and "-arm64" not in log
+
+
+def test_build_refuses_an_unknown_platform_in_one_line(docker_stub: Path, tmp_path: Path) -> None:
+    code, log, err = _build(docker_stub, tmp_path, "vllm/vllm-openai:v0.29.0",
+                            PLATFORM="linux/s390x", BASE_DIGEST_LOOKUP="none")  # fmt: skip
+    assert code == 2 and log == ""
+    assert err.count("\n") == 1 and "PLATFORM must be" in err

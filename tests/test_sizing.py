@@ -126,7 +126,11 @@ def test_pcp_plus_dcp_falls_back_to_flashmla_sparse_without_workspace():
 def test_backend_priorities():
     cfg = config(GLM52)
     assert sizing.plan(cfg, layout(kv_cache_dtype="fp8")).attention_backend == backend.FLASHINFER
-    assert sizing.plan(cfg, layout()).attention_backend == backend.FLASHMLA  # bf16, 64 heads
+    bf16 = layout(kv_cache_dtype="bfloat16")
+    assert sizing.plan(cfg, bf16).attention_backend == backend.FLASHMLA  # bf16, 64 heads
+    # auto: GLM-5.x's config hook makes it fp8_e4m3 on SM10x, so FlashInfer comes first
+    assert sizing.plan(cfg, layout()).kv_cache_dtype == "fp8_e4m3"
+    assert sizing.plan(cfg, layout()).attention_backend == backend.FLASHINFER
     assert sizing.plan(config(DSV32), layout(tp=8)).attention_backend == backend.FA4  # 16 heads
     forced = sizing.plan(
         cfg, layout(kv_cache_dtype="fp8_ds_mla", attention_backend=backend.FLASHINFER)
@@ -160,7 +164,9 @@ def test_kv_bytes_per_token():
     assert dsv32.kv_bytes_per_token == (61 * 1152 + 61 * 132) / 8
     flash = sizing.plan(config(GLM53_FLASH), layout(tp=4))
     assert flash.kv.mla_layers == 11 and flash.kv.linear_layers == 34
-    assert flash.kv_bytes_per_token == 11 * 1024 + 11 * 132 / 4
+    assert flash.kv_bytes_per_token == 11 * 512 + 11 * 132 / 4  # auto: fp8 (the hook, SM10x)
+    flash16 = sizing.plan(config(GLM53_FLASH), layout(tp=4, kv_cache_dtype="bfloat16"))
+    assert flash16.kv_bytes_per_token == 11 * 1024 + 11 * 132 / 4
     # KDA: fp32 (16, 128, 128) recurrent + bf16 (3*8192/4, 3) conv state per layer at TP4
     assert flash.kv.state_bytes_per_sequence == 34 * (16 * 128 * 128 * 4 + 6144 * 3 * 2)
 
@@ -407,13 +413,13 @@ def test_cli_json_shape(capsys):
         "dp": 1,
         "ep": 4,
         "max_num_batched_tokens": 4096,
-        "kv_cache_dtype": "auto",
+        "kv_cache_dtype": "fp8_e4m3",  # auto, made fp8_e4m3 by GLM-5.x's hook on SM10x
         "attention_backend": "FLASHINFER_MLA_SPARSE",
     }
     assert doc["per_rank"]["workspace_bytes"] == 2_561_671_168
     assert doc["per_rank"]["reserve_bytes"] == 8 * GiB
     assert isinstance(doc["warnings"], list) and doc["warnings"]
-    assert doc["per_rank"]["kv_bytes_per_token"] == (78 * 1152 + 21 * 132) // 4
+    assert doc["per_rank"]["kv_bytes_per_token"] == (78 * 576 + 21 * 132) // 4
 
 
 def test_cli_json_fractional_bytes_per_token(capsys):
@@ -461,7 +467,9 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", str(llama)], "kv_lora_rank"),
         (["--config", str(dense)], "index_topk"),
         (["--config", str(wrong)], "kv_lora_rank"),
-        (["--config", str(DSV4_FLASH)], "DeepSeek-V4"),
+        (["--config", str(DSV4_FLASH), "--pcp", "2"], "DeepSeek-V4 with --pcp > 1"),
+        (["--config", str(DSV4_FLASH), "--kv-cache-dtype", "bfloat16"], "stores fp8 only"),
+        (["--config", str(DSV4_FLASH), "--tp", "3"], "does not divide num_attention_heads 64"),
         (["--config", glm, "--tp", "3"], "does not divide num_attention_heads 64"),
         (["--config", glm, "--tp", "2", "--dcp", "4"], "must divide --tp"),
         (["--config", glm, "--tp", "2", "--pcp", "2", "--dcp", "3"], "--dcp must be one of"),
@@ -496,3 +504,55 @@ def test_every_fixture_has_a_source_note():
     for model in ("DeepSeek-V3.2", "GLM-5.2", "GLM-5.3-Flash", "DeepSeek-V4-Flash"):
         assert (MODELS / model / "config.json").is_file()
         assert f"## {model}" in readme
+
+
+def test_dsv4_cache_is_vllms_compressed_layout():
+    """DeepSeek-V4-Flash: 21 layers at compress ratio 4 (584 B fp8_ds_mla state per 4 tokens,
+    plus a 132 B indexer state per 4 tokens), 20 at 128, 2 sliding-window only."""
+    from server.sizing import dsv4
+
+    cfg = config(DSV4_FLASH)
+    shape_ = dsv4.from_config(cfg)
+    cache = dsv4.cache(shape_, "fp8_ds_mla", dcp=1)
+    assert cache.compressed == {4: 21, 128: 20} and cache.indexer_layers == 21
+    # 256-token pages rounded up to 576 B: 64 x 584 -> 37,440; 2 x 584 -> 1,728; 64 x 132 -> 8,640
+    assert cache.bytes_per_token == (21 * (37_440 + 8_640) + 20 * 1_728) / 256
+    assert dsv4.cache(shape_, "fp8_ds_mla", dcp=2).bytes_per_token == cache.bytes_per_token / 2
+    # per sequence: 43 sliding windows of 128 tokens, the compressors' fp32 states
+    swa = 43 * 128 * 584
+    states = 21 * 8 * 2 * 2 * 512 * 4 + 20 * 128 * 2 * 512 * 4 + 21 * 8 * 2 * 2 * 128 * 4
+    assert cache.bytes_per_sequence == swa + states
+
+
+def test_dsv4_plan_on_the_profile_layout(capsys):
+    code, out, err = run(
+        capsys,
+        "--config",
+        str(DSV4_FLASH),
+        "--gpu-memory-gib",
+        str(B200),
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--format",
+        "json",
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    rank = doc["per_rank"]
+    assert doc["layout"]["attention_backend"] == "FLASHMLA_SPARSE"
+    assert doc["layout"]["kv_cache_dtype"] == "fp8_ds_mla"
+    assert rank["workspace_bytes"] == 0 and doc["warnings"] == []
+    # the routed experts (MXFP4, 128 of 256 per rank under EP2) dominate the weights
+    parts = doc["details"]["weights_breakdown"]
+    experts = 43 * 128 * 3 * (2048 * 4096 // 2 + 2048 * 4096 // 32)
+    assert parts["routed_experts"] == experts
+    assert rank["weights_bytes"] == sum(parts.values())
+    budget = int(int(B200 * GiB) * 0.92) - rank["weights_bytes"] - 8 * GiB
+    assert rank["kv_budget_bytes"] == budget
+    assert rank["kv_tokens"] == int(budget / rank["kv_bytes_per_token"])
+    code, out, _ = run(
+        capsys, "--config", str(DSV4_FLASH), "--gpu-memory-gib", str(B200), "--tp", "2"
+    )
+    assert code == 0 and "KV tokens" in out and "per sequence" in out

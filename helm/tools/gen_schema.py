@@ -28,6 +28,7 @@ SIZES = [1, 2, 4, 8, 16, 32, 64]
 GPUS_PER_NODE = [1, 2, 4, 8]
 MAX_DATA = 256
 
+ARCHES = ["amd64", "arm64"]  # the platforms `make image` builds (linux/amd64, linux/arm64)
 CUDAGRAPH_MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 # vLLM 0.33.0 vllm/config/cache.py CacheDType.
 KV_CACHE_DTYPES = [
@@ -184,6 +185,23 @@ def layout_rules() -> list[Schema]:
                 {("parallelism", "decodeContext"): {"enum": allowed}},
             )
         )
+    # vLLM 0.33.0's PCP manager (vllm/v1/worker/gpu/pcp_manager.py) refuses DCP over PCP with
+    # any DCP communication backend but ag_rs.
+    rules.append(
+        {
+            "if": nest(
+                {
+                    ("parallelism", "prefillContext"): {"minimum": 2},
+                    ("parallelism", "decodeContext"): {"minimum": 2},
+                }
+            ),
+            "then": {
+                "properties": {
+                    "vllm": {"properties": {"dcpCommBackend": {"not": {"const": "a2a"}}}}
+                }
+            },
+        }
+    )
     # The TP x PCP group runs a collective in every layer: it must sit inside one NVLink domain,
     # i.e. one node, unless a ComputeDomain extends NVLink across the trays of an NVL72 rack.
     for tp, pcp in product(SIZES, SIZES):
@@ -240,6 +258,8 @@ def schema() -> Schema:
             "maxNumSeqs": nullable(integer(1)),
             "kvCacheDtype": {"type": "string", "enum": ["", *KV_CACHE_DTYPES]},
             "attentionBackend": string(pattern=r"^[A-Z0-9_]*$"),
+            # vLLM's DCPCommBackend (vllm/config/parallel.py); "" leaves the model's default
+            "dcpCommBackend": {"type": "string", "enum": ["", "ag_rs", "a2a"]},
             "cudagraphMode": {"type": "string", "enum": CUDAGRAPH_MODES},
             "enforceEager": BOOL,
             "enablePrefixCaching": {"type": ["boolean", "null"]},
@@ -324,6 +344,8 @@ def schema() -> Schema:
                 {
                     "product": string(),
                     "productLabel": string(minLength=1),
+                    # the nodes' CPU architecture (kubernetes.io/arch): the image's platform
+                    "arch": {"type": "string", "enum": ["", *ARCHES]},
                     "perNode": {"type": "integer", "enum": GPUS_PER_NODE},
                     "memoryGiB": {"type": "number", "minimum": 0},
                     "resourceName": string(minLength=1),

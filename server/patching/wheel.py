@@ -20,10 +20,22 @@ class WheelError(Exception):
     """The wheel could not be fetched or unpacked."""
 
 
-def fetch(version: str, cache: Path) -> Path:
-    """The wheel of vLLM `version`, downloaded into `cache` unless already there."""
+ARCHES = ("x86_64", "aarch64")
+
+
+def fetch(version: str, cache: Path, arch: str = "x86_64") -> Path:
+    """The `arch` wheel of vLLM `version` (manylinux), downloaded into `cache` unless there.
+
+    aarch64 wheels (GB200/GB300's Grace) are kept in `cache`/aarch64, apart from the x86_64
+    ones the tests and the packs unpack.
+    """
+    if arch not in ARCHES:
+        raise WheelError(f"unknown wheel architecture {arch!r} (one of {', '.join(ARCHES)})")
+    if arch != "x86_64":
+        cache = cache / arch
     cache.mkdir(parents=True, exist_ok=True)
-    found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+    pattern = f"vllm-{version}-*_{arch}.whl"
+    found = sorted(cache.glob(pattern))
     if found:
         return found[0]
     command = [
@@ -33,6 +45,8 @@ def fetch(version: str, cache: Path) -> Path:
         "download",
         "--no-deps",
         "--only-binary=:all:",
+        "--platform",
+        f"manylinux_2_28_{arch}",
         "--progress-bar",
         "on",
         "--dest",
@@ -41,7 +55,7 @@ def fetch(version: str, cache: Path) -> Path:
     ]
     if subprocess.run(command, check=False).returncode != 0:
         raise WheelError(f"pip could not download vllm=={version} (see its output above)")
-    found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+    found = sorted(cache.glob(pattern))
     if not found:
         raise WheelError(f"pip reported success but no vllm-{version} wheel is in {cache}")
     return found[0]

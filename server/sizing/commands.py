@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from server.sizing import backend, planning, quant, report, shape
+from server.sizing import backend, dsv4, planning, quant, report, shape
 
 ERRORS: tuple[type[Exception], ...] = (shape.SizingError,)
 
@@ -156,6 +156,10 @@ def layout_from_args(args: argparse.Namespace) -> planning.Layout:
 
 def run(args: argparse.Namespace) -> int:
     config, name = shape.load(args.config)
+    if dsv4.is_dsv4(config):
+        v4 = planning.plan_dsv4(config, layout_from_args(args), name=name)
+        print(json.dumps(v4.to_json(), indent=2) if args.format == "json" else v4.text())
+        return 0
     result = planning.plan(config, layout_from_args(args), name=name)
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))

@@ -14,7 +14,7 @@ from fractions import Fraction
 from typing import Any
 
 from server.sizing import backend as backend_
-from server.sizing import quant, weights
+from server.sizing import dsv4, quant, weights
 from server.sizing.kvcache import KvCache, kv_cache
 from server.sizing.shape import ModelShape, SizingError, from_config
 from server.sizing.workspace import required_workspace_bytes
@@ -43,6 +43,18 @@ def default_max_num_batched_tokens(gpu_memory_bytes: int) -> int:
     if gpu_memory_bytes >= 70 * GiB:
         return 8192
     return 2048
+
+
+def blackwell_default_kv(shape: ModelShape) -> str:
+    """What the model's `verify_and_update_config` hook (vllm/model_executor/models/config.py)
+    makes of `--kv-cache-dtype auto` on a compute-capability-10.x GPU: GlmMoeDsaForCausalLM
+    (GLM-5.x) sets fp8_e4m3, GLM-5.3-Flash's (Glm5NextModelConfig, sparse layers) sets fp8;
+    other models keep auto (bf16)."""
+    if shape.architecture == "GlmMoeDsaForCausalLM":
+        return "fp8_e4m3"
+    if shape.architecture.startswith("Glm5Next") and shape.index_topk:
+        return "fp8"
+    return "auto"
 
 
 @dataclass(frozen=True)
@@ -205,6 +217,89 @@ def _check_layout(shape: ModelShape, lay: Layout) -> None:
             raise SizingError(f"unknown {flag} {value!r}")
 
 
+def plan_dsv4(config: dict[str, Any], layout: Layout, name: str = "") -> dsv4.Plan:
+    """DeepSeek-V4 (server/sizing/dsv4.py): its compressed cache and its weights, per rank."""
+    shape = dsv4.from_config(config, name)
+    for flag in ("tp", "pcp", "dcp", "dp", "ep"):
+        value = getattr(layout, flag)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SizingError(f"--{flag} must be a positive integer, got {value!r}")
+    if layout.pcp > 1:
+        raise SizingError("DeepSeek-V4 with --pcp > 1 is not modelled")
+    if shape.num_attention_heads % layout.tp:
+        raise SizingError(
+            f"--tp {layout.tp} does not divide num_attention_heads {shape.num_attention_heads}"
+        )
+    if layout.attention_backend not in (None, backend_.FLASHMLA):
+        raise SizingError(
+            "DeepSeek-V4 is modelled on its SM100 default path (FLASHMLA_SPARSE); "
+            f"--attention-backend {layout.attention_backend} is not"
+        )
+    warnings: list[str] = []
+    notes: list[str] = []
+    tokens = layout.max_num_batched_tokens or default_max_num_batched_tokens(
+        layout.gpu_memory_bytes
+    )
+    requested = layout.kv_cache_dtype
+    if requested not in ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"):
+        raise SizingError(f"DeepSeek-V4's FlashMLA path stores fp8 only, not {requested}")
+    # _resolve_dsv4_kv_cache_dtype: the FlashMLA layout turns auto and fp8 into fp8_ds_mla.
+    notes.append(
+        "vLLM 0.33.0 runs DeepSeek-V4 on SM100 with FlashMLA (fp8_ds_mla, 584 B states) "
+        "unless FLASHINFER_MLA_SPARSE_DSV4 is asked for; no FlashInfer workspace is allocated"
+    )
+    cache = dsv4.cache(shape, "fp8_ds_mla", layout.dcp)
+    if layout.weight_dtype is not None:
+        dense = expert = quant.OVERRIDES[layout.weight_dtype]
+        scheme = f"{layout.weight_dtype} (override)"
+        if layout.expert_dtype is not None:
+            expert = quant.OVERRIDES[layout.expert_dtype]
+    else:
+        dense, expert, scheme = dsv4.formats(shape, layout.expert_dtype)
+    breakdown = dsv4.weight_bytes(shape, tp=layout.tp, ep=layout.ep, dense=dense, expert=expert)
+    estimated = layout.weights_bytes is None
+    weight_total = sum(breakdown.values()) if estimated else int(layout.weights_bytes or 0)
+    usable = int(layout.gpu_memory_bytes * layout.gpu_memory_utilization)
+    budget = usable - weight_total - layout.reserve_bytes
+    kv_tokens = int(budget / cache.bytes_per_token) if budget > 0 else 0
+    if budget < 0:
+        warnings.append(
+            f"KV budget is negative ({budget / GiB:.2f} GiB): weights {weight_total / GiB:.2f} "
+            f"+ reserve {layout.reserve_bytes / GiB:.2f} GiB exceed "
+            f"{layout.gpu_memory_utilization} x {layout.gpu_memory_bytes / GiB:.2f} GiB"
+        )
+    notes.append(
+        f"each sequence also holds {cache.bytes_per_sequence / (1 << 20):.1f} MiB per rank "
+        "(sliding windows and compressor states), outside kv_bytes_per_token"
+    )
+    notes.append("the MTP layer is not counted")
+    return dsv4.Plan(
+        model=shape.name,
+        shape=shape,
+        tp=layout.tp,
+        dcp=layout.dcp,
+        dp=layout.dp,
+        ep=layout.ep,
+        gpu_memory_bytes=layout.gpu_memory_bytes,
+        gpu_memory_utilization=layout.gpu_memory_utilization,
+        reserve_bytes=layout.reserve_bytes,
+        max_num_batched_tokens=tokens,
+        kv_cache_dtype="fp8_ds_mla",
+        kv_cache_dtype_requested=requested,
+        attention_backend=backend_.FLASHMLA,
+        weights_bytes=weight_total,
+        weights_estimated=estimated,
+        weights_breakdown=breakdown,
+        weight_scheme=scheme,
+        kv=cache,
+        usable_bytes=usable,
+        kv_budget_bytes=budget,
+        kv_tokens=kv_tokens,
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+    )
+
+
 def plan(config: dict[str, Any] | ModelShape, layout: Layout, name: str = "") -> Plan:
     """Size `config` (a parsed config.json, or a ModelShape) on `layout`, per GPU rank."""
     shape = config if isinstance(config, ModelShape) else from_config(config, name)
@@ -227,6 +322,13 @@ def plan(config: dict[str, Any] | ModelShape, layout: Layout, name: str = "") ->
         kv = quant.kv_cache_dtype_from_config(shape.quantization) or "auto"
         if kv != "auto":
             notes.append(f"--kv-cache-dtype auto resolves to {kv} (the checkpoint's KV scheme)")
+        else:
+            kv = blackwell_default_kv(shape)
+            if kv != "auto":
+                notes.append(
+                    f"--kv-cache-dtype auto resolves to {kv} on SM10x ({shape.architecture}'s "
+                    "config hook in vLLM 0.33.0)"
+                )
 
     choice = backend_.choose(
         shape,

@@ -3,8 +3,8 @@
 Covers the DeepSeek-V3.2 family as vLLM 0.33.0 builds it (DeepseekV32ForCausalLM,
 GlmMoeDsaForCausalLM: vllm/models/deepseek_v32) and GLM-5.3-Flash's hybrid stack
 (Glm5NextForConditionalGeneration: vllm/models/glm5next, KDA linear-attention layers
-between the sparse-MLA ones). DeepSeek-V4 is refused: its compressed attention
-(`compress_ratios`, sliding window, 584 B states) is another cache and workspace design.
+between the sparse-MLA ones). DeepSeek-V4's compressed attention (`compress_ratios`,
+sliding window, 584 B states) is another cache design, sized by server/sizing/dsv4.py.
 """
 
 from __future__ import annotations
@@ -192,9 +192,8 @@ def from_config(config: dict[str, Any], name: str = "") -> ModelShape:
     if "compress_ratios" in text or model_type.startswith("deepseek_v4"):
         raise SizingError(
             "DeepSeek-V4 configs (compress_ratios, sliding-window + compressed sparse "
-            "attention) are not covered: vLLM serves them with their own cache layout "
-            "(584 B compressed states, vllm/models/deepseek_v4) and a fixed 128 MiB "
-            "FlashInfer workspace, not the DCP-sized sparse-MLA workspace this plan models"
+            "attention) are sized by server.sizing.planning.plan_dsv4 (mla-serve plan "
+            "picks it), not by this sparse-MLA shape"
         )
     missing = [key for key in MLA_FIELDS if text.get(key) is None]
     if missing:

@@ -72,6 +72,13 @@ def plan(values: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     return report
 
 
+def model_max_len(values: dict[str, Any]) -> int:
+    fixture, _ = MODELS[values["model"]["name"]]
+    config = json.loads((FIXTURES / fixture / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config["max_position_embeddings"])
+
+
 def profile_values(profile: str) -> dict[str, Any]:
     return chart().merge_values(case_values(f"profile-{profile}"))
 
@@ -85,9 +92,10 @@ def test_profile_fits_in_memory(profile: str) -> None:
     assert report["warnings"] == [], f"{profile}: {report['warnings']}"
     assert rank["kv_budget_bytes"] > 0, f"{profile}: KV budget {rank['kv_budget_bytes']} B"
     assert rank["workspace_bytes"] <= WORKSPACE_CEILING, f"{profile}: workspace too large"
-    # One sequence of the longest allowed context fits in the KV cache.
-    max_len = values["vllm"].get("maxModelLen")
-    assert rank["kv_tokens"] >= (max_len or 1), f"{profile}: {rank['kv_tokens']} KV tokens"
+    # One sequence of the longest allowed context fits in the KV cache: the profile's
+    # maxModelLen or, unset, the model's own (vLLM shrinks it only when it is -1).
+    max_len = values["vllm"].get("maxModelLen") or model_max_len(values)
+    assert rank["kv_tokens"] >= max_len, f"{profile}: {rank['kv_tokens']} KV tokens < {max_len}"
 
 
 def test_dcp_profile_keeps_the_workspace_at_2_39_gib() -> None:
@@ -128,3 +136,25 @@ def test_bf16_glm52_would_not_fit() -> None:
     report = json.loads(result.stdout)
     assert report["per_rank"]["kv_budget_bytes"] < 0
     assert fixture == "GLM-5.2"
+
+
+def test_dcp_profile_utilization_fits_a_full_request_with_the_evals_overhead() -> None:
+    """Seed 002 measured a -3.23 GiB KV budget at 0.92 with FlashInfer's sparse MLA at 32768
+    batched tokens; what the plan does not count (activations, CUDA graph pool, NCCL) was then
+    the reserve below. With it, the profile's 0.96 still fits one 1,048,576-token request per
+    rank at DCP4, and 0.92 would not."""
+    values = profile_values("b200-tp1-pcp4-dcp4")
+    measured = plan(
+        values,
+        gpu_memory_utilization=0.92,
+        max_num_batched_tokens=32768,
+        attention_backend="FLASHINFER_MLA_SPARSE",
+    )["per_rank"]
+    reserve = measured["kv_budget_bytes"] + measured["reserve_bytes"] + int(3.23 * GiB)
+    assert reserve / GiB == pytest.approx(19.66, abs=0.01)
+    max_len = 1_048_576  # GLM-5.2's, which the profile keeps
+    assert values["vllm"].get("maxModelLen") is None
+    at_profile = plan(values, reserve_gib=reserve / GiB)["per_rank"]
+    assert at_profile["kv_tokens"] >= max_len * 1.5
+    at_default = plan(values, reserve_gib=reserve / GiB, gpu_memory_utilization=0.92)["per_rank"]
+    assert at_default["kv_tokens"] < max_len

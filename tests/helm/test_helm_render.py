@@ -144,7 +144,7 @@ def test_kubernetes_validate_strict_rejects_unknown_fields() -> None:
 # --- what each profile renders -------------------------------------------------------------
 
 PROFILE_LAYOUT = {
-    # profile: (flags vLLM must get, GPUs per pod, product label value)
+    # profile: (flags vLLM must get, GPUs per pod, (product label value, node architecture))
     "gb300-tp4": (
         {
             "--tensor-parallel-size": "4",
@@ -152,7 +152,7 @@ PROFILE_LAYOUT = {
             "--decode-context-parallel-size": "1",
         },
         4,
-        "NVIDIA-GB300",
+        ("NVIDIA-GB300", "arm64"),
     ),
     "b200-tp2-pcp2": (
         {
@@ -160,9 +160,10 @@ PROFILE_LAYOUT = {
             "--prefill-context-parallel-size": "2",
             "--enable-expert-parallel": None,
             "--gpu-memory-utilization": "0.85",
+            "--max-model-len": "262144",
         },
         4,
-        "NVIDIA-B200",
+        ("NVIDIA-B200", "amd64"),
     ),
     "b200-tp1-pcp4": (
         {
@@ -170,9 +171,10 @@ PROFILE_LAYOUT = {
             "--prefill-context-parallel-size": "4",
             "--decode-context-parallel-size": "1",
             "--enable-expert-parallel": None,
+            "--max-model-len": "262144",
         },
         4,
-        "NVIDIA-B200",
+        ("NVIDIA-B200", "amd64"),
     ),
     "b200-tp1-pcp4-dcp4": (
         {
@@ -182,19 +184,20 @@ PROFILE_LAYOUT = {
             "--gpu-memory-utilization": "0.96",
             "--max-num-batched-tokens": "4096",
             "--attention-backend": "FLASHMLA_SPARSE",
+            "--dcp-comm-backend": "ag_rs",
+            "--kv-cache-dtype": "fp8_ds_mla",
         },
         4,
-        "NVIDIA-B200",
+        ("NVIDIA-B200", "amd64"),
     ),
     "dsv4-flash": (
         {
             "--tensor-parallel-size": "2",
             "--enable-expert-parallel": None,
-            "--max-model-len": "70000",
             "--compilation-config": '{"cudagraph_mode": "FULL_AND_PIECEWISE"}',
         },
         2,
-        "NVIDIA-B200",
+        ("NVIDIA-B200", "amd64"),
     ),
 }
 
@@ -205,7 +208,7 @@ def test_every_profile_is_covered() -> None:
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_profile_layout(profile: str) -> None:
-    expected, gpus, product = PROFILE_LAYOUT[profile]
+    expected, gpus, (product, arch) = PROFILE_LAYOUT[profile]
     docs = case_documents(f"profile-{profile}")
     assert "LeaderWorkerSet" not in kinds(docs)
     pod = find(docs, "Deployment")["spec"]["template"]["spec"]
@@ -217,7 +220,17 @@ def test_profile_layout(profile: str) -> None:
     assert vllm["command"] == ["mla-serve-entrypoint", "serve"]
     assert vllm["args"][0] == case_values(f"profile-{profile}")["model"]["name"]
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == gpus
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product, "kubernetes.io/arch": arch}
+
+
+def test_every_profile_states_its_architecture() -> None:
+    """The image is built per architecture (`make image`); GB300 trays are Grace (arm64)."""
+    for profile in PROFILES:
+        values = case_values(f"profile-{profile}")
+        arch = values["gpu"].get("arch")
+        assert arch in ("amd64", "arm64"), f"{profile}: gpu.arch {arch!r}"
+        grace = values["gpu"]["product"] in ("NVIDIA-GB300", "NVIDIA-GB200")
+        assert (arch == "arm64") == grace, profile
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -386,7 +399,10 @@ def test_multinode_dp_without_compute_domain() -> None:
     assert got["--data-parallel-size"] == "2" and got["--tensor-parallel-size"] == "8"
     assert "--enable-expert-parallel" in got
     assert "affinity" not in leader and "resourceClaims" not in leader
-    assert leader["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert leader["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H200",
+        "kubernetes.io/arch": "amd64",
+    }
 
 
 def test_monitoring_objects() -> None:

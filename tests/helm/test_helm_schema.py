@@ -63,6 +63,17 @@ SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
             "at '/parallelism/data': multipleOf: got 3, want 2",
         ],
     ),
+    "a2a where PCP and DCP meet (vLLM 0.33.0's PCP manager needs ag_rs)": (
+        {
+            "parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 4},
+            "vllm": {"dcpCommBackend": "a2a"},
+        },
+        ["at '/vllm/dcpCommBackend': 'not' failed"],
+    ),
+    "unknown architecture": (
+        {"gpu": {"arch": "x86_64"}},
+        ["at '/gpu/arch': value must be one of '', 'amd64', 'arm64'"],
+    ),
     "GPUs per node": (
         {"gpu": {"perNode": 6}},
         ["at '/gpu/perNode': value must be one of 1, 2, 4, 8"],
@@ -226,6 +237,10 @@ def test_shipped_values_pass(case: str) -> None:
         ({"parallelism": {"tensor": 2, "prefillContext": 2, "decodeContext": 4}}, "DCP=TPxPCP"),
         ({"parallelism": {"tensor": 4, "decodeContext": 2}}, "DCP inside TP"),
         ({"parallelism": {"tensor": 1, "data": 3}}, "DP3 on one 4-GPU node"),
+        (
+            {"parallelism": {"tensor": 4, "decodeContext": 4}, "vllm": {"dcpCommBackend": "a2a"}},
+            "a2a for DCP without PCP",
+        ),
     ],
 )
 def test_schema_accepts_valid_layouts(override: dict[str, Any], reason: str) -> None:

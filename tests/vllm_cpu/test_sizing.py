@@ -74,3 +74,42 @@ def test_override_semantics_match_vllm(backend, backend_log, monkeypatch):
         assert ours == backend._required_workspace_bytes(4, 64, 32768) == override
         assert (warning is not None) == (override < 17_594_056_704)
     assert records, "vLLM warns when the override is below the computed size"
+
+
+def test_dsv4_page_sizes_match_vllms_specs(expect):
+    """server.sizing.dsv4's 256-token pages against vLLM's own MLAAttentionSpec, as DeepSeek-V4's
+    compressed layers (584 B fp8_ds_mla states, 576 B alignment) and its ratio-4 indexer
+    (132 B states) build theirs."""
+    import dataclasses
+
+    import torch
+
+    from server.sizing import dsv4
+
+    interface = importlib.import_module("vllm.v1.kv_cache_interface")
+    fields = {f.name for f in dataclasses.fields(interface.MLAAttentionSpec)}
+    if not {"tokens_per_state", "alignment", "state_content_bytes"} <= fields:
+        pytest.skip(f"vLLM {expect.release}'s MLAAttentionSpec has no DeepSeek-V4 page fields")
+    block = dsv4.PAGE_TOKENS
+    for ratio in (4, 128):
+        spec = interface.MLAAttentionSpec(
+            block_size=block,
+            num_kv_heads=1,
+            head_size=512,
+            dtype=torch.uint8,
+            tokens_per_state=ratio,
+            cache_dtype_str="fp8_ds_mla",
+            alignment=576,
+            state_content_bytes=dsv4.PACKED_STATE_BYTES,
+        )
+        ours = dsv4.page_bytes_per_token(ratio, dsv4.PACKED_STATE_BYTES, 576)
+        assert ours * block == spec.page_size_bytes, ratio
+    indexer = interface.MLAAttentionSpec(
+        block_size=block,
+        num_kv_heads=1,
+        head_size=132,
+        dtype=torch.uint8,
+        tokens_per_state=4,
+        alignment=576,
+    )
+    assert dsv4.page_bytes_per_token(4, 132, 576) * block == indexer.page_size_bytes

@@ -160,6 +160,9 @@ Flags that only multi-node pods need are added by the pod template.
 {{- with $v.attentionBackend }}
 - --attention-backend={{ . }}
 {{- end }}
+{{- with $v.dcpCommBackend }}
+- --dcp-comm-backend={{ . }}
+{{- end }}
 {{- if $v.enforceEager }}
 - --enforce-eager
 {{- else }}

@@ -48,8 +48,11 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
-  {{- if or $v.gpu.product $v.nodeSelector }}
+  {{- if or $v.gpu.product $v.gpu.arch $v.nodeSelector }}
   nodeSelector:
+    {{- with $v.gpu.arch }}
+    kubernetes.io/arch: {{ . }}
+    {{- end }}
     {{- with $v.gpu.product }}
     {{ $v.gpu.productLabel }}: {{ . }}
     {{- end }}

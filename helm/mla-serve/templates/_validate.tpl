@@ -57,6 +57,7 @@ produce a pod vLLM refuses) and add the ones a schema cannot state.
   "--gpu-memory-utilization" "vllm.gpuMemoryUtilization" "--max-model-len" "vllm.maxModelLen"
   "--max-num-batched-tokens" "vllm.maxNumBatchedTokens" "--kv-cache-dtype" "vllm.kvCacheDtype"
   "--attention-backend" "vllm.attentionBackend" "--enforce-eager" "vllm.enforceEager"
+  "--dcp-comm-backend" "vllm.dcpCommBackend"
   "--compilation-config" "vllm.cudagraphMode" "-cc.cudagraph_mode" "vllm.cudagraphMode"
   "--compilation-config.cudagraph_mode" "vllm.cudagraphMode" -}}
 {{- range .Values.vllm.extraArgs -}}
