@@ -126,11 +126,12 @@ def scale(profile: str, chart_argv: list[str], gpus: int) -> dict[str, Any]:
         *TINY,
     ]
     heads = 64
-    if dcp > 1:
+    if dcp > 1 and "--kv-cache-dtype=fp8_ds_mla" not in argv:
         argv.append("--kv-cache-dtype=fp8_ds_mla")
         changes.append(
             "--kv-cache-dtype=fp8_ds_mla: FlashMLA sparse under DCP refuses bf16 on SM90"
         )
+    if dcp > 1:
         heads = 32
         changes.append("the 32-head tiny model: FlashMLA sparse's DCP decode wants < 32 heads/rank")
     return {
