@@ -275,6 +275,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     selected = cases(catalog_.load(), args.release, args.state, args.kind)
+    args.out = args.out.resolve()  # the child pytest runs elsewhere: its report path too
     outcomes = run(args.tree.resolve(), selected, args.out.with_suffix(".report.json"))
     rows = [
         {"fix": c.fix, "test": c.test, "sdist": c.sdist, "expect": c.expect,
