@@ -79,7 +79,10 @@ def test_profiles_scale_to_two_hopper_gpus() -> None:
     assert scaled["b200-tp1-pcp4-dcp4"]["heads"] == 32
     assert "--kv-cache-dtype=fp8_ds_mla" in scaled["b200-tp1-pcp4-dcp4"]["argv"]
     assert scaled["gb300-tp4"]["parallel"]["tp"] == 2
-    assert layouts.layouts(gpus=4)["gb300-tp4"]["parallel"]["tp"] == 4
+    wide = layouts.layouts(gpus=4)  # the width-four run keeps the chart's parallel flags
+    assert wide["gb300-tp4"]["parallel"] == {"tp": 4, "pcp": 1, "dcp": 1}
+    assert wide["b200-tp1-pcp4-dcp4"]["parallel"] == {"tp": 1, "pcp": 4, "dcp": 4}
+    assert wide["b200-tp1-pcp4-dcp4"]["changes"][0].startswith("--served-model-name")
 
 
 def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:

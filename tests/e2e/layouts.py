@@ -85,6 +85,7 @@ def scale(profile: str, chart_argv: list[str], gpus: int) -> dict[str, Any]:
     sizes = {name: int(value or 1) for name, value in flags if name in PARALLEL}
     tp, pcp, dcp = (sizes.get(name, 1) for name in PARALLEL)
     changes: list[str] = []
+    fits_as_is = tp * pcp <= gpus  # then every parallel flag stays the chart's
     if tp * pcp > gpus and pcp > 1:
         # PCP shrinks to what fits; with DCP it goes (DCP is then carried by TP, below).
         fits = 1 if dcp > 1 else max(1, gpus // tp)
@@ -92,7 +93,7 @@ def scale(profile: str, chart_argv: list[str], gpus: int) -> dict[str, Any]:
             f"prefill-context {pcp} -> {fits}: TP {tp} x PCP {pcp} needs {tp * pcp} GPUs"
         )
         pcp = fits
-    if dcp > 1 and (tp % dcp or dcp > gpus):
+    if not fits_as_is and dcp > 1 and (tp % dcp or dcp > gpus):
         new_dcp = min(dcp, gpus)
         new_tp = max(tp, new_dcp)
         changes.append(
