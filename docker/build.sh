@@ -30,13 +30,13 @@ BASE_IMAGE="${BASE_IMAGE:-vllm/vllm-openai:v${VLLM_VERSION}}"
 VLLM_SOURCE="${VLLM_SOURCE:-base}"
 PYTHON="${PYTHON:-.venv/bin/python}"
 
-# `registry/name:tag` -> `registry/name`; docker.io and library/ dropped, as RepoDigests has it.
+# `registry/name:tag` -> `registry/name`, library/ dropped as RepoDigests has it. A reference
+# that spells out the default registry does not match its RepoDigests (which omit it): the
+# registry lookup below answers for it instead.
 repository_of() {
     local ref="${1%@*}" last
     last="${ref##*/}"
     if [[ "$last" == *:* ]]; then ref="${ref%:*}"; fi
-    ref="${ref#docker.io/}"
-    ref="${ref#index.docker.io/}"
     printf '%s\n' "${ref#library/}"
 }
 

@@ -30,7 +30,34 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 CACHE="${MLA_SERVE_CACHE:-$PWD/.cache}"
 STATE="$CACHE/docker"
 SUITE="${DEBIAN_SUITE:-bookworm}"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+# The Debian mirror: DEBIAN_MIRROR, else the one this machine's apt uses for the suite's
+# main component (deb822 .sources or one-line .list files); none found is an error.
+apt_mirror() {
+    local file
+    local etc="${APT_ETC:-/etc/apt}"
+    for file in "$etc"/sources.list.d/*.sources; do
+        [ -f "$file" ] || continue
+        awk -v suite="$SUITE" '
+            /^[[:space:]]*$/ { if (uris != "" && suites ~ "(^| )" suite "( |$)" && comps ~ /main/) { print uris; exit }
+                               uris = suites = comps = "" ; next }
+            tolower($1) == "uris:" { uris = $2 }
+            tolower($1) == "suites:" { $1 = ""; suites = $0 " " }
+            tolower($1) == "components:" { $1 = ""; comps = $0 }
+            END { if (uris != "" && suites ~ "(^| )" suite "( |$)" && comps ~ /main/) print uris }
+        ' "$file" | head -n 1
+    done
+    for file in "$etc"/sources.list "$etc"/sources.list.d/*.list; do
+        [ -f "$file" ] || continue
+        awk -v suite="$SUITE" '$1 == "deb" && $0 !~ /^#/ {
+            i = 2; if ($2 ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+            if ($(i + 1) == suite) { print $i; exit } }' "$file"
+    done
+}
+MIRROR="${DEBIAN_MIRROR:-$(apt_mirror | head -n 1)}"
+if [ -z "$MIRROR" ]; then
+    echo "docker/smoke.sh: no Debian mirror for $SUITE in this machine's apt sources; set DEBIAN_MIRROR" >&2
+    exit 2
+fi
 PLATFORM="${PLATFORM:-}"
 arch=""
 case "$PLATFORM" in

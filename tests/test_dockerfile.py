@@ -489,11 +489,14 @@ def test_build_asks_the_registry_when_the_base_is_not_local(
     docker_stub: Path, tmp_path: Path
 ) -> None:
     code, log, err = _build(
-        docker_stub, tmp_path, "docker.io/vllm/vllm-openai:v0.29.0", STUB_REGISTRY_DIGEST=DIGEST
+        docker_stub,
+        tmp_path,
+        "registry.example/vllm/vllm-openai:v0.29.0",
+        STUB_REGISTRY_DIGEST=DIGEST,
     )
     assert code == 0, err
     assert "buildx imagetools inspect" in log
-    assert _build_args(log)["BASE_IMAGE"] == f"docker.io/vllm/vllm-openai:v0.29.0@{DIGEST}"
+    assert _build_args(log)["BASE_IMAGE"] == f"registry.example/vllm/vllm-openai:v0.29.0@{DIGEST}"
     # BASE_DIGEST_LOOKUP=local never asks a registry (make image-smoke's imported base).
     code, log, err = _build(
         docker_stub,
@@ -604,3 +607,32 @@ def test_build_refuses_an_unknown_platform_in_one_line(docker_stub: Path, tmp_pa
                             PLATFORM="linux/s390x", BASE_DIGEST_LOOKUP="none")  # fmt: skip
     assert code == 2 and log == ""
     assert err.count("\n") == 1 and "PLATFORM must be" in err
+
+
+def _apt_mirror(etc: Path) -> str:
+    script = (DOCKER / "smoke.sh").read_text()
+    function = script[
+        script.index("apt_mirror() {") : script.index("\n}\n", script.index("apt_mirror() {")) + 3
+    ]
+    done = subprocess.run(["bash", "-c", f"SUITE=bookworm\n{function}\napt_mirror | head -n 1"],
+                          env={"APT_ETC": str(etc), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return done.stdout.strip()
+
+
+def test_image_smoke_takes_the_debian_mirror_from_this_machines_apt(tmp_path: Path) -> None:
+    """No mirror host is written in the repository: smoke.sh reads apt's own sources."""
+    (tmp_path / "sources.list.d").mkdir()
+    assert _apt_mirror(tmp_path) == ""
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n"
+        "Components: main\n\nTypes: deb\nURIs: http://mirror.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main contrib\n"
+    )
+    assert _apt_mirror(tmp_path) == "http://mirror.example/debian"
+    (tmp_path / "sources.list.d" / "debian.sources").unlink()
+    (tmp_path / "sources.list").write_text(
+        "# deb http://old.example/debian bookworm main\n"
+        "deb [signed-by=/k.gpg] http://list.example/debian bookworm main\n"
+    )
+    assert _apt_mirror(tmp_path) == "http://list.example/debian"
