@@ -122,6 +122,43 @@ def test_capture_metadata_of_vllms_v2_runner(expect):
     assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
 
 
+def test_capture_harness_builds_the_layer_vllm_instantiates_on_cuda(expect, monkeypatch):
+    """tests/gpu/dsv4_capture.py builds the DeepSeek-V4 attention class vLLM's CUDA decoder
+    layer instantiates (DeepseekV4Attention itself is abstract: the first H200 run failed
+    there), and its eager step, the same layer code the GPU modes capture, selects the
+    scored candidates for an 8000-token prefix on the CPU."""
+    if expect.release != "0.27.1":
+        pytest.skip("the harness drives 0.27.1's capture path")
+    import inspect
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from dsv4_capture import attention_class, run
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.models.deepseek_v4.attention import DeepseekV4Attention
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    for capability, expected in [
+        ((9, 0), "DeepseekV4FlashMLAAttention"),  # H200
+        ((10, 0), "DeepseekV4FlashMLAAttention"),  # B200, GB300
+        ((12, 0), "DeepseekV4FlashInferSM120Attention"),
+    ]:
+        monkeypatch.setattr(
+            current_platform,
+            "get_device_capability",
+            lambda *a, c=capability, **k: DeviceCapability(*c),
+        )
+        chosen = attention_class(config)
+        assert chosen.__name__ == expected
+        assert issubclass(chosen, DeepseekV4Attention) and not inspect.isabstract(chosen)
+    monkeypatch.undo()
+
+    result = run("NONE", device="cpu")
+    assert result["layer_class"] == attention_class(config).__name__
+    assert result["selects"] == "scored", result
+
+
 def _indexer_call_sites(source: str) -> dict[str, bool]:
     """DeepseekV4Attention's methods that call its indexer, and whether each is an
     `@eager_break_during_capture` region (run eagerly, not captured, under breakable graphs)."""
