@@ -15,11 +15,14 @@ What is vLLM's own code here, as the V2 model runner (CudaGraphManager.capture) 
   vLLM turns on for DeepSeek-V4) calling `DeepseekV4Indexer.forward`;
 - the capture: FULL under `torch.cuda.graph` with the forward context in NONE (as the
   runner captures FULL graphs), PIECEWISE through `BreakableCUDAGraphWrapper` (the
-  runner's `run_pw_graph`), NONE eagerly; `set_forward_context` for each step.
+  runner's `run_pw_graph`), both on a capture stream as the runner's `graph_capture` sets
+  one, NONE eagerly; `set_forward_context` for each step.
 Stand-ins, as in scenarios.DSV4IndexerCase: the indexer metadata object carries the
 common metadata's max_seq_len (what the DSV4 indexer builder copies), the scoring after
 the shortcut is a capturable torch stand-in for DeepGEMM's kernels, and the layer's
-other work (q projection, compressor, MLA) is left out. FULL-SHORT captures FULL on a
+other work (q projection, compressor, MLA) is left out. Where the tree lacks vLLM's NVML
+binding (the GPU pack's Python-only trees), vLLM runs on UnspecifiedPlatform, which gets
+what CudaPlatform would answer (`cuda_platform`). FULL-SHORT captures FULL on a
 short metadata, the pattern vllm#52492 fixed: it shows this harness sees the bug.
 `run("NONE", device="cpu")` runs the eager step on the CPU (tests/vllm_cpu checks the
 harness there up to where CUDA is needed).
@@ -27,9 +30,11 @@ harness there up to where CUDA is needed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -128,6 +133,37 @@ def layer(monkeypatch: pytest.MonkeyPatch, config: Any, device: str = "cuda") ->
     return owner
 
 
+def cuda_platform(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int] | None = None,
+    pool_handle: Any = None,
+) -> str:
+    """What the layer selection and BreakableCUDAGraphWrapper ask of vLLM's CUDA platform.
+
+    vLLM detects CUDA through its vendored NVML binding (vllm/third_party/pynvml.py), which
+    the GPU pack's Python-only trees leave out: there `current_platform` is vLLM's
+    UnspecifiedPlatform, whose device capability is None and whose `graph_pool_handle` is
+    None (the wrapper's `get_global_graph_pool()` would call None). Give that platform what
+    vLLM's CudaPlatform answers: the device's capability (from torch.cuda unless given) and
+    torch.cuda's graph pool handle (CudaPlatform's device_type is "cuda")."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    if current_platform.is_cuda():
+        return "CudaPlatform"
+    major, minor = capability or torch.cuda.get_device_capability()
+    monkeypatch.setattr(
+        current_platform, "get_device_capability", lambda *a, **k: DeviceCapability(major, minor)
+    )
+    handle = pool_handle or torch.cuda.graph_pool_handle
+    monkeypatch.setattr(current_platform, "graph_pool_handle", handle, raising=False)
+    monkeypatch.setattr(type(current_platform), "_global_graph_pool", None)
+    return (
+        f"{type(current_platform).__name__} with capability {major}.{minor} and torch.cuda's"
+        " graph pool (the tree has no vllm/third_party/pynvml.py)"
+    )
+
+
 def weak_refs(monkeypatch: pytest.MonkeyPatch) -> str:
     """vLLM's weak tensor references come from its compiled `_C` module; where the GPU pack
     does not carry it, the capture keeps strong references instead (same data pointers,
@@ -159,6 +195,19 @@ class Step(torch.nn.Module):
         return self.out.add_(0)  # captured
 
 
+@contextlib.contextmanager
+def capture_stream() -> Iterator[None]:
+    """The stream the runner captures on: CudaGraphManager.capture runs inside vLLM's
+    `graph_capture`, which (one rank, no custom all-reduce) makes a new stream wait for the
+    current one and makes it current; CUDA refuses to capture on the default stream. The
+    runner replays on its own stream after capture: wait for the capture stream's work."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 def run(mode: str, device: str = "cuda") -> dict[str, Any]:
     from vllm.compilation.breakable_cudagraph import (
         BreakableCUDAGraphWrapper,
@@ -175,6 +224,8 @@ def run(mode: str, device: str = "cuda") -> dict[str, Any]:
     result: dict[str, Any] = {"mode": mode, "breakable": is_breakable_cudagraph_enabled()}
     with pytest.MonkeyPatch.context() as monkeypatch:
         result["weak_refs"] = weak_refs(monkeypatch)
+        if device == "cuda":
+            result["platform"] = cuda_platform(monkeypatch)
         step = Step(layer(monkeypatch, config, device), device)
         result["layer_class"] = type(step.owner).__name__
         buffer = step.owner.indexer.topk_indices_buffer
@@ -185,7 +236,7 @@ def run(mode: str, device: str = "cuda") -> dict[str, Any]:
         elif mode in ("FULL", "FULL-SHORT"):
             seq_len = 1024 if mode == "FULL-SHORT" else capture_max_seq_len(True)
             result["capture_max_seq_len"] = seq_len
-            with set_forward_context(metadata(seq_len), config):
+            with capture_stream(), set_forward_context(metadata(seq_len), config):
                 step(positions)  # warm-up, as CudaGraphManager.capture does
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -200,14 +251,21 @@ def run(mode: str, device: str = "cuda") -> dict[str, Any]:
             wrapper = BreakableCUDAGraphWrapper(step, config)
             descriptor = BatchDescriptor(num_tokens=TOKENS)
             piecewise = CUDAGraphMode.PIECEWISE
-            with set_forward_context(metadata(seq_len), config):
-                step(positions)  # warm-up in NONE
-            with set_forward_context(
-                metadata(seq_len), config, cudagraph_runtime_mode=piecewise,
-                batch_descriptor=descriptor,
-            ):  # fmt: skip
-                wrapper(positions)  # captures
-            result["captured"] = wrapper.entries[descriptor].capture is not None
+            with capture_stream():
+                with set_forward_context(metadata(seq_len), config):
+                    step(positions)  # warm-up in NONE
+                with set_forward_context(
+                    metadata(seq_len), config, cudagraph_runtime_mode=piecewise,
+                    batch_descriptor=descriptor,
+                ):  # fmt: skip
+                    wrapper(positions)  # captures
+            capture = wrapper.entries[descriptor].capture
+            result["captured"] = capture is not None
+            if capture is not None:  # graph segments around the eager attention_impl
+                result["graphs"], result["eager_breaks"] = (
+                    capture.num_graphs,
+                    capture.num_eager_breaks,
+                )
             positions.fill_(8001)
             buffer.fill_(-1)
             with set_forward_context(
