@@ -50,8 +50,8 @@ def test_indexer_on_vllms_capture_path_selects_scored_candidates(tree, mode):
     assert result["breakable"] is True
     if mode == "FULL":
         assert result["capture_max_seq_len"] == 16384  # the runner's max_model_len
-    if mode == "PIECEWISE":
-        assert result["captured"] is True
+    if mode == "PIECEWISE":  # two graph segments around the eager attention_impl
+        assert (result["captured"], result["graphs"], result["eager_breaks"]) == (True, 2, 1)
     assert result["selects"] == "scored", result
 
 

@@ -122,6 +122,50 @@ def test_capture_metadata_of_vllms_v2_runner(expect):
     assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
 
 
+def test_capture_harness_builds_the_layer_vllm_instantiates_on_cuda(expect):
+    """tests/gpu/dsv4_capture.py builds the DeepSeek-V4 attention class vLLM's CUDA decoder
+    layer instantiates (DeepseekV4Attention itself is abstract: the first H200 run failed
+    there), its eager step (the layer code the GPU modes capture) selects the scored
+    candidates for an 8000-token prefix, and vLLM's BreakableCUDAGraphWrapper can be built
+    around it on the platform the GPU pack's tree runs on (no vLLM NVML binding there)."""
+    if expect.release != "0.27.1":
+        pytest.skip("the harness drives 0.27.1's capture path")
+    import inspect
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from dsv4_capture import Step, attention_class, cuda_platform, layer, run
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.models.deepseek_v4.attention import DeepseekV4Attention
+    from vllm.platforms import current_platform
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    pool = object()  # stands for torch.cuda's graph pool handle, which needs CUDA
+    for capability, expected in [
+        ((9, 0), "DeepseekV4FlashMLAAttention"),  # H200
+        ((10, 0), "DeepseekV4FlashMLAAttention"),  # B200, GB300
+        ((12, 0), "DeepseekV4FlashInferSM120Attention"),
+    ]:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            cuda_platform(monkeypatch, capability, pool_handle=lambda: pool)
+            chosen = attention_class(config)
+            assert chosen.__name__ == expected
+            assert issubclass(chosen, DeepseekV4Attention) and not inspect.isabstract(chosen)
+            if capability == (9, 0):
+                owner = layer(monkeypatch, config, device="cpu")
+                assert type(owner) is chosen
+                wrapper = BreakableCUDAGraphWrapper(Step(owner, device="cpu"), config)
+                assert wrapper.graph_pool is pool
+
+    if not current_platform.is_cuda():  # the tree as packed: vLLM's own platform lacks it
+        with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+            current_platform.get_global_graph_pool()
+
+    result = run("NONE", device="cpu")
+    assert result["layer_class"] == attention_class(config).__name__
+    assert result["selects"] == "scored", result
+
+
 def _indexer_call_sites(source: str) -> dict[str, bool]:
     """DeepseekV4Attention's methods that call its indexer, and whether each is an
     `@eager_break_during_capture` region (run eagerly, not captured, under breakable graphs)."""
