@@ -53,14 +53,30 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 REPLAY = HERE / "passthrough" / "replay.py"
 RECORDINGS = "tests/e2e/results/*/*/recorded_streams.json"
-PATHS = ("direct", "sidecar", "envoy")
-PROXIES = ("sidecar", "envoy")
+PATHS = ("direct", "sidecar", "envoy", "sidecar@base")
+PROXIES = ("sidecar", "envoy", "sidecar@base")
+SIDECARS = ("sidecar", "sidecar@base")
 COUNTER = "mla_serve_completions_total"
 
 
 def requests_for(concurrency: int, scale: float) -> int:
     """Requests per path per round: enough streams for a p99 at low concurrency, bounded."""
     return max(24, int(round(2 * concurrency * scale)))
+
+
+def start_sidecar_from(src: Path, upstream: int, work: Path) -> proxies.Target:
+    """The sidecar of another checkout (`git worktree add DIR REV`), its CLI run from there:
+    the before of a before/after comparison in one run."""
+    port, admin = free_port(), free_port()
+    argv = [
+        sys.executable, "-m", "server.cli", "sidecar",
+        "--vllm-url", f"http://127.0.0.1:{upstream}", "--host", "127.0.0.1",
+        "--port", str(port), "--log-level", "warning", "--admin-port", str(admin),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    proc = Proc("sidecar@base", argv, work / "sidecar-base.log", env=env, cwd=src).start()
+    return proxies.Target("sidecar@base", f"http://127.0.0.1:{port}", proc,
+                          ready_url=f"http://127.0.0.1:{admin}")  # fmt: skip
 
 
 def completions(admin_url: str) -> float:
@@ -113,7 +129,7 @@ class Bench:
         self.procs: list[Proc] = []
         self.targets: dict[str, proxies.Target] = {}
         self.errors: dict[str, str] = {}
-        self.admin = ""
+        self.admin: dict[str, str] = {}
 
     def start(self) -> None:
         port = free_port()
@@ -130,18 +146,26 @@ class Bench:
             "sidecar": lambda: proxies.start_sidecar(Path(sys.executable).parent, port, self.work),
             "envoy": lambda: proxies.start_envoy(self.args.bench_venv, port, self.work),
         }
+        if self.args.compare_src is not None:
+            starters["sidecar@base"] = lambda: start_sidecar_from(
+                self.args.compare_src, port, self.work
+            )
         for name, starter in starters.items():
             try:
                 target = starter()
                 assert target.proc is not None
                 self.procs.append(target.proc)
-                proxies.wait_ready(target, 60)
+                if name == "sidecar@base":
+                    target.ready_s = wait_http(target.proc, f"{target.ready_url}/readyz", 60)
+                else:
+                    proxies.wait_ready(target, 60)
             except (OSError, RuntimeError) as exc:
                 self.errors[name] = f"could not start: {exc}"
                 continue
             self.targets[name] = target
-        if "sidecar" in self.targets:
-            self.admin = self.targets["sidecar"].ready_url or ""
+        self.admin = {
+            name: self.targets[name].ready_url or "" for name in SIDECARS if name in self.targets
+        }
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -155,7 +179,7 @@ class Bench:
     def measure(self, name: str, options: list[str], requests: int) -> dict[str, Any]:
         target = self.targets[name]
         self.only(name)
-        before = completions(self.admin) if name == "sidecar" else 0.0
+        before = completions(self.admin[name]) if name in SIDECARS else 0.0
         with CpuMeter(self.procs) as meter:
             figures = run_client(target.url, self.args.recordings, options, 300)
         figures["cores"] = meter.cores
@@ -166,9 +190,9 @@ class Bench:
                 figures["proxy_cpu_ms_per_1000_chunks"] = round(cpu * 1e6 / figures["events"], 2)
             if figures["completed"]:
                 figures["proxy_cpu_ms_per_request"] = round(cpu * 1e3 / figures["completed"], 3)
-        if name == "sidecar":
+        if name in SIDECARS:
             time.sleep(0.05)  # the last stream's record() runs after its last bytes went out
-            counted = completions(self.admin) - before
+            counted = completions(self.admin[name]) - before
             figures["sidecar_completions_counted"] = counted
             figures["counting_exact"] = counted == requests == figures["completed"]
         return figures
@@ -258,9 +282,9 @@ def checks(series: list[dict[str, Any]]) -> dict[str, Any]:
                 if result["errors"] or result["cut_at_deadline"]:
                     problems.append(f"{where} {name}: errors {result['errors']}, "
                                     f"{result['cut_at_deadline']} cut")  # fmt: skip
-                if name != "sidecar" and result["checks"].get("exact_less_usage_event"):
+                if name not in SIDECARS and result["checks"].get("exact_less_usage_event"):
                     problems.append(f"{where} {name}: a usage event went missing")
-                if name == "sidecar":
+                if name in SIDECARS:
                     sent += result["requests"]
                     counted += int(result["sidecar_completions_counted"])
                     if not result["counting_exact"]:
@@ -374,6 +398,9 @@ def main() -> int:
     parser.add_argument("--saturation-concurrency", type=int, default=64)
     parser.add_argument("--saturation-rounds", type=int, default=3)
     parser.add_argument("--saturation-requests", type=int, default=2048)
+    parser.add_argument("--compare-src", type=Path, default=None,
+                        help="a checkout of another revision (git worktree): its sidecar runs "
+                        "as a fourth path, sidecar@base")  # fmt: skip
     parser.add_argument("--bench-venv", type=Path, default=ROOT / ".venv" / "bench")
     args = parser.parse_args()
     args.recordings = [str(Path(p).resolve()) for p in
