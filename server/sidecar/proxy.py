@@ -568,8 +568,8 @@ class Proxy:
         return event
 
 
-_DECODER = json.JSONDecoder()
-_SCAN = _DECODER.scan_once  # the scanner json.loads ends in (C, when _json is built)
+# The scanner json.loads ends in (C, when _json is built), made for json's default decoder.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _loads(data: bytes) -> Any:

@@ -61,7 +61,7 @@ COUNTER = "mla_serve_completions_total"
 
 def requests_for(concurrency: int, scale: float) -> int:
     """Requests per path per round: enough streams for a p99 at low concurrency, bounded."""
-    return max(24, int(round(2 * concurrency * scale)))
+    return max(24, round(2 * concurrency * scale))
 
 
 def start_sidecar_from(src: Path, upstream: int, work: Path) -> proxies.Target:
@@ -81,9 +81,8 @@ def start_sidecar_from(src: Path, upstream: int, work: Path) -> proxies.Target:
 
 def completions(admin_url: str) -> float:
     """The sidecar's finished-choice counter, summed over its labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{admin_url}/metrics", timeout=10).text
     total = 0.0

@@ -17,8 +17,9 @@ body, byte for byte, with its time since the request was sent, and vLLM's respon
   request's arrival, on the timing of the stream the client asked for (`x-replay-timing:
   thinking,usage`, which proxies pass on): a proxy that asks for usage gets the usage
   stream's bytes at the pace of the client's own stream, so every path sees the same pace
-  (the usage stream's reads are mapped onto that timing by position); `unthrottled` writes one read per event-loop turn, holding back while the
-  socket's buffer is full (the saturation figure).
+  (the usage stream's reads are mapped onto that timing by position); `unthrottled` writes
+  one read per event-loop turn, holding back while the socket's buffer is full (the
+  saturation figure).
 - Each recorded read goes out as one HTTP chunk (chunked transfer encoding, as uvicorn sends).
 
 The client runs `--requests` streams over `--concurrency` connections, each request the
