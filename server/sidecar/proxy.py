@@ -360,6 +360,8 @@ class Proxy:
         return headers
 
     def _trusts(self, peer: str) -> bool:
+        if not self.settings.trusted_proxies:  # the default: no address to parse
+            return False
         try:
             address = ipaddress.ip_address(peer)
         except ValueError:
