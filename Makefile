@@ -77,6 +77,7 @@ bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/b
 	$(BIN)/python tests/bench/bench_sidecar.py --out build/bench/sidecar.json
 	$(BIN)/python tests/bench/bench_passthrough.py --out build/bench/passthrough.json
 	$(BIN)/python tests/bench/bench_loops.py --out build/bench/loops.json
+	$(BIN)/python tests/bench/bench_replay.py --out build/bench/replay.json
 
 gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into build/gpu-pack
 	$(BIN)/python tests/gpu/pack.py --out build/gpu-pack

@@ -360,6 +360,8 @@ class Proxy:
         return headers
 
     def _trusts(self, peer: str) -> bool:
+        if not self.settings.trusted_proxies:  # the default: no address to parse
+            return False
         try:
             address = ipaddress.ip_address(peer)
         except ValueError:
@@ -528,7 +530,7 @@ class Proxy:
                 kept.append(raw)
                 continue
             try:
-                chunk = json.loads(data)
+                chunk = _loads(data)
                 if not isinstance(chunk, dict):
                     raise ValueError("not an object")
                 completion.add_chunk(chunk)
@@ -554,7 +556,7 @@ class Proxy:
     ) -> bytes:
         """One `data: {...}\\n\\n` event: classify it; return it, or nothing if dropped."""
         try:
-            chunk = json.loads(event[6:])
+            chunk = _loads(event[6:])
             if not isinstance(chunk, dict):
                 raise ValueError("not an object")
             completion.add_chunk(chunk)
@@ -566,6 +568,30 @@ class Proxy:
         if strip_usage and not chunk.get("choices") and chunk.get("usage"):
             return b""
         return event
+
+
+# The scanner json.loads ends in (C, when _json is built), made for json's default decoder.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _loads(data: bytes) -> Any:
+    """`json.loads(data)` for one event's data, without its per-call steps in Python
+    (encoding detection, two whitespace regexes, three frames): an object in UTF-8, which is
+    what vLLM sends, is decoded as json.loads decodes it and scanned by the same scanner.
+    Anything else (another encoding, leading whitespace) goes through json.loads itself, so
+    the result and the errors (ValueError, RecursionError) are json.loads's."""
+    if data[:1] != b"{" or data[1:2] == b"\x00":  # json.detect_encoding's UTF-16/32 cases
+        return json.loads(data)
+    text = data.decode("utf-8", "surrogatepass")
+    try:
+        value, end = _SCAN(text, 0)
+    except StopIteration as stop:
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+    if end != len(text):
+        rest = text[end:].lstrip(" \t\n\r")
+        if rest:
+            raise json.JSONDecodeError("Extra data", text, len(text) - len(rest))
+    return value
 
 
 def inspect(
