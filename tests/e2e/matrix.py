@@ -182,6 +182,15 @@ def main() -> int:
     binding: dict[str, tuple[bool, str]] = {}
     stacks: list[Stack] = []
     lines: list[dict[str, Any]] = []
+    for spec in args.specs:  # every spec checked before anything starts
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[1] not in layouts or parts[2] not in ("patched", "pristine"):
+            parser.error(
+                f"{spec!r} is not release:layout:state (layouts: {', '.join(sorted(layouts))};"
+                " states: patched, pristine)"
+            )
+        if not (store / f"vllm-{parts[0]}" / "pack.json").is_file():
+            parser.error(f"{spec!r}: no vllm-{parts[0]} in {store}: run 'run.sh unpack' first")
     for index, spec in enumerate(args.specs):
         release, name, state = spec.split(":")
         layout = layouts[name]
@@ -214,7 +223,13 @@ def main() -> int:
             store / "common" / ("model" if layout["heads"] == 64 else f"model-h{layout['heads']}")
         )
         if layout["gpus"] > gpu_count:
-            lines.append({"stack": work.name, "verdict": f"skipped: needs {layout['gpus']} GPUs"})
+            lines.append(
+                {
+                    "stack": work.name,
+                    "as_expected": True,  # not a failure: no GPUs
+                    "verdict": f"skipped: needs {layout['gpus']} GPUs, {gpu_count} here",
+                }
+            )
             continue
         stack = Stack(
             name=work.name,
