@@ -14,7 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from scrape import samples
 from vllm_standin import StandIn
 
-from server.patching import catalog, engine, manifest, tree
 from server.plugin import state
 from server.sidecar.settings import Settings
 
@@ -179,14 +178,8 @@ def test_without_the_plugin_figures_come_from_vllms_log(sidecar, tmp_path):
 
 
 def test_manifest_verification_gates_readiness_and_reports_drift(sidecar, tmp_path):
-    target = trees.clone("0.29.0", tmp_path / "tree")
-    found = tree.locate(target)
-    cat = catalog.load()
-    plan = engine.plan(found, cat)
-    states = engine.check(plan, cat)
-    engine.write(plan)
     path = tmp_path / "manifest.json"
-    manifest.write(path, manifest.build(plan, states))
+    target = trees.patched("0.29.0", tmp_path / "tree", path)
 
     url = sidecar(manifest=path, vllm_tree=target)
     response = wait_for(f"{url}/readyz", lambda r: r.status_code == 200)

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from server.patching import catalog, wheel
+from server.patching import catalog, engine, manifest, tree, wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MLA_SERVE_CACHE", ROOT / ".cache"))
@@ -42,3 +42,15 @@ def edit(path: Path, text: str) -> None:
     """Change a file of a cloned tree without touching the shared pristine copy."""
     path.unlink()
     path.write_text(text, encoding="utf-8")
+
+
+def patched(release: str, dest: Path, manifest_path: Path) -> Path:
+    """A clone of `release` at `dest` with its fix series applied in-process, its manifest
+    written to `manifest_path`; the tree's directory."""
+    target = clone(release, dest)
+    cat = catalog.load()
+    plan = engine.plan(tree.locate(target), cat)
+    states = engine.check(plan, cat)
+    engine.write(plan)
+    manifest.write(manifest_path, manifest.build(plan, states))
+    return target

@@ -27,7 +27,6 @@ from http_server import ServerThread
 from test_sidecar import _plugin_state
 from vllm_standin import StandIn
 
-from server.patching import catalog, engine, manifest, tree
 from server.plugin import state
 from server.sidecar.app import create_app
 from server.sidecar.settings import Settings
@@ -59,13 +58,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        target = trees.clone("0.29.0", work / "tree")
-        cat = catalog.load()
-        found = tree.locate(target)
-        plan = engine.plan(found, cat)
-        states = engine.check(plan, cat)
-        engine.write(plan)
-        manifest.write(work / "manifest.json", manifest.build(plan, states))
+        target = trees.patched("0.29.0", work / "tree", work / "manifest.json")
         for rank in range(4):
             state.write(work / "state", _plugin_state(rank, "FULL_AND_PIECEWISE", 2_561_671_168))
         vllm = StandIn().start()

@@ -12,7 +12,7 @@ import httpx
 import trees
 from scrape import samples
 
-from server.patching import catalog, engine, manifest, probes, tree
+from server.patching import probes
 from server.sidecar.settings import Settings
 
 
@@ -29,14 +29,8 @@ def test_a_raising_probe_fails_closed_and_the_verifier_keeps_running(
     vllm, serve_sidecar, tmp_path, monkeypatch, attack
 ):
     check = attack("a probe raising inside the background verifier", "6")
-    target = trees.clone("0.29.0", tmp_path / "tree")
-    found = tree.locate(target)
-    cat = catalog.load()
-    plan = engine.plan(found, cat)
-    states = engine.check(plan, cat)
-    engine.write(plan)
     path = tmp_path / "manifest.json"
-    manifest.write(path, manifest.build(plan, states))
+    target = trees.patched("0.29.0", tmp_path / "tree", path)
     url = serve_sidecar(Settings(vllm_url=vllm.url, manifest=path, vllm_tree=target,
                                  poll_interval=0.05, manifest_interval=0.2))  # fmt: skip
     check.check(_wait(url, lambda r: r.status_code == 200).status_code == 200, "never ready")
