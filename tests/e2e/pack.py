@@ -14,7 +14,9 @@ build/e2e/
                      SM100's DeepSelect, FlashKDA, QuTLASS)
     site.tar.xz      the Python part of the CuTe DSL and quack-kernels, at the release's pins
     pack.json        release, pins, and the device code each module kept
-  deps-<version>/    one carry per CuTe DSL version: its compiled MLIR library and runtime
+  deps-<version>-part<i>/  the CuTe DSL's compiled MLIR library and runtime (per version), in
+                     parts of 40 MiB, each a carry (parts.py); the whole archive is kept in
+                     .libs-<version>/ so a second pack need not compress it again
 
 vLLM's DeepSeek-V3.2 attention imports the CuTe DSL (the release's pinned
 `nvidia-cutlass-dsl[cu13]`) on every CUDA GPU, also where it then runs Triton
@@ -45,6 +47,7 @@ import carry  # noqa: E402
 import fatbin  # noqa: E402
 import layouts  # noqa: E402
 import model  # noqa: E402
+import parts  # noqa: E402
 
 from server.patching import wheel  # noqa: E402
 
@@ -221,10 +224,13 @@ def main() -> int:
         dsl = pinned.get("nvidia-cutlass-dsl")
         libraries = None
         if dsl:
-            deps = out / f"deps-{dsl}"
-            deps.mkdir(parents=True, exist_ok=True)
-            libraries = cute_dsl_libraries(dsl, deps / "cute-dsl-libs.tar.xz")
-            sizes[deps.name] = carry_size(deps, repository)
+            whole = out / f".libs-{dsl}"
+            whole.mkdir(parents=True, exist_ok=True)
+            libraries = cute_dsl_libraries(dsl, whole / "cute-dsl-libs.tar.xz")
+            for stale in out.glob(f"deps-{dsl}-part*"):
+                shutil.rmtree(stale)
+            for folder in parts.split(whole / "cute-dsl-libs.tar.xz", out, f"deps-{dsl}"):
+                sizes[folder.name] = carry_size(folder, repository)
         (folder / "pack.json").write_text(
             json.dumps(
                 {

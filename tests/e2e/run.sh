@@ -18,7 +18,7 @@ case "$verb" in
     for dir in "$@"; do
       name=$(basename "$dir")
       dest="$STORE/$name"
-      [ "${name#deps-}" != "$name" ] || { rm -rf "$dest" && mkdir -p "$dest"; }
+      case "$name" in deps-*) ;; *) rm -rf "$dest" && mkdir -p "$dest" ;; esac
       case "$name" in
         common)
           $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$dest/site" \
@@ -31,11 +31,19 @@ case "$verb" in
           tar -xJf "$dir/vllm.tar.xz" -C "$dest/tree" || exit 2
           tar -xJf "$dir/site.tar.xz" -C "$STORE/deps-$dsl/site" || exit 2
           cp "$dir/pack.json" "$dest/" || exit 2 ;;
-        deps-*)
-          mkdir -p "$STORE/$name/site"
-          tar -xJf "$dir/cute-dsl-libs.tar.xz" -C "$STORE/$name/site" || exit 2 ;;
+        deps-*-part*)  # one part of the CuTe DSL's libraries: joined once all are here
+          deps="$STORE/${name%-part*}"
+          mkdir -p "$deps/parts" "$deps/site"
+          cp "$dir"/cute-dsl-libs.tar.xz.* "$dir/parts.json" "$deps/parts/" || exit 2
+          $PYTHON tests/e2e/parts.py join "$deps/parts" "$deps/cute-dsl-libs.tar.xz"
+          case $? in
+            0) tar -xJf "$deps/cute-dsl-libs.tar.xz" -C "$deps/site" && rm "$deps/cute-dsl-libs.tar.xz" || exit 2 ;;
+            3) ;;
+            *) exit 2 ;;
+          esac ;;
         *) echo "run.sh: $dir is no carry of 'make e2e-pack'" >&2; exit 2 ;;
       esac
+      case "$name" in deps-*) dest="$STORE/${name%-part*}" ;; esac
       echo "unpacked $name into $dest: $(du -sh "$dest" | cut -f1)"
     done
     exit 0 ;;

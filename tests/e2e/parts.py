@@ -1,0 +1,64 @@
+"""An archive too big for one carry, in parts: `split` here, `join` on the GPU machine.
+
+    python tests/e2e/parts.py join PARTS_DIR ARCHIVE   # exit 0: joined and checked;
+                                                       # 3: parts still missing
+
+`make e2e-pack` cuts the CuTe DSL's compiled part (61 MB of xz) into parts of PART_BYTES, each
+a carry of its own beside the repository (`deps-<version>-part<i>/`); `run.sh unpack` collects
+them and joins them once all are there, checking the whole archive's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+PART_BYTES = 40 << 20  # leaves room for the repository in a 64 MiB carry
+
+
+def split(archive: Path, out: Path, stem: str) -> list[Path]:
+    """`archive` as parts `out/<stem>-part<i>/`, each with the part and parts.json."""
+    data = archive.read_bytes()
+    count = max(1, -(-len(data) // PART_BYTES))
+    meta = {"archive": archive.name, "sha256": hashlib.sha256(data).hexdigest(), "parts": count}
+    folders = []
+    for index in range(count):
+        folder = out / f"{stem}-part{index + 1}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f"{archive.name}.*"):
+            stale.unlink()
+        chunk = data[index * PART_BYTES : (index + 1) * PART_BYTES]
+        (folder / f"{archive.name}.{index + 1}").write_bytes(chunk)
+        (folder / "parts.json").write_text(json.dumps(meta | {"part": index + 1}) + "\n")
+        folders.append(folder)
+    return folders
+
+
+def join(parts: Path, archive: Path) -> int:
+    meta = json.loads((parts / "parts.json").read_text())
+    pieces = [parts / f"{meta['archive']}.{i}" for i in range(1, meta["parts"] + 1)]
+    missing = [piece.name for piece in pieces if not piece.is_file()]
+    if missing:
+        print(f"{parts}: waiting for {', '.join(missing)}")
+        return 3
+    data = b"".join(piece.read_bytes() for piece in pieces)
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        print(f"error: the joined {meta['archive']} does not match its sha256", file=sys.stderr)
+        return 2
+    archive.write_bytes(data)
+    for piece in pieces:
+        piece.unlink()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] != "join":
+        print("usage: parts.py join PARTS_DIR ARCHIVE", file=sys.stderr)
+        return 2
+    return join(Path(argv[1]), Path(argv[2]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
