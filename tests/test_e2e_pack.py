@@ -92,3 +92,27 @@ def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:
                                  "--attention-backend=FLASHINFER_MLA_SPARSE"], 1)  # fmt: skip
     assert "--attention-backend=FLASHINFER_MLA_SPARSE" in scaled["dropped"]
     assert not any(arg.startswith("--attention-backend") for arg in scaled["argv"])
+
+
+def test_an_archive_travels_in_parts_and_is_joined_only_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import parts
+
+    monkeypatch.setattr(parts, "PART_BYTES", 1000)
+    archive = tmp_path / "libs.tar.xz"
+    archive.write_bytes(bytes(range(256)) * 10)  # 2560 bytes: three parts
+    folders = parts.split(archive, tmp_path / "out", "deps-1.0")
+    assert [f.name for f in folders] == ["deps-1.0-part1", "deps-1.0-part2", "deps-1.0-part3"]
+    store, joined = tmp_path / "store", tmp_path / "joined.tar.xz"
+    store.mkdir()
+    for folder in folders[:2]:
+        for item in folder.iterdir():
+            (store / item.name).write_bytes(item.read_bytes())
+    assert parts.join(store, joined) == 3 and not joined.exists()  # one part still missing
+    third = folders[2] / "libs.tar.xz.3"
+    (store / third.name).write_bytes(third.read_bytes()[:-1] + b"x")
+    assert parts.join(store, joined) == 2 and not joined.exists()  # damaged: refused
+    (store / third.name).write_bytes(third.read_bytes())
+    assert parts.join(store, joined) == 0
+    assert joined.read_bytes() == archive.read_bytes()
