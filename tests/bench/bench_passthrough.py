@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -76,16 +75,8 @@ TARGETS = {
 
 
 def versions(bench_venv: Path) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name in ("aiohttp", "uvicorn", "uvloop", "httptools", "fastapi", "mla-serve"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    envoy = bench_venv / "bin" / "envoy"
-    out["envoy"] = (
-        proxies.tool_version([str(envoy), "--version"]) if envoy.exists() else "not installed"
-    )
+    names = ("aiohttp", "uvicorn", "uvloop", "httptools", "fastapi", "mla-serve")
+    out = proxies.versions(names, bench_venv)
     python = bench_venv / "bin" / "python"
     if python.exists():
         code = "import importlib.metadata as m; print(m.version('litellm'))"

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -325,16 +324,7 @@ def against_targets(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def versions(bench_venv: Path) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name in ("aiohttp", "uvicorn", "uvloop", "httptools", "mla-serve"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    envoy = bench_venv / "bin" / "envoy"
-    out["envoy"] = (
-        proxies.tool_version([str(envoy), "--version"]) if envoy.exists() else "not installed"
-    )
+    out = proxies.versions(("aiohttp", "uvicorn", "uvloop", "httptools", "mla-serve"), bench_venv)
     # what server/sidecar/serve.py picks: httptools and uvloop when importable
     out["sidecar_http"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
     out["sidecar_loop"] = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"

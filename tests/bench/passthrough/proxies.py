@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import secrets
 import subprocess
@@ -94,6 +95,19 @@ def tool_version(argv: list[str]) -> str:
         return f"unavailable: {exc}"
     text = (done.stdout + done.stderr).strip().splitlines()
     return text[-1].strip() if text else f"exit {done.returncode}"
+
+
+def versions(names: tuple[str, ...], bench_venv: Path) -> dict[str, str]:
+    """Installed versions of `names` (this Python's) and of Envoy in the proxies' venv."""
+    out: dict[str, str] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    envoy = bench_venv / "bin" / "envoy"
+    out["envoy"] = tool_version([str(envoy), "--version"]) if envoy.exists() else "not installed"
+    return out
 
 
 def start_sidecar(bin_dir: Path, upstream: int, work: Path) -> Target:
