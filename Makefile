@@ -51,13 +51,13 @@ dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) tree + manifest in build
 	@echo "manifest:     $(DIST_TREE)/vllm/mla_serve_manifest.json"
 
 lint: $(BIN)/mla-serve  ## ruff (lint + format check) and mypy
-	$(BIN)/ruff check server tests
-	$(BIN)/ruff format --check server tests
+	$(BIN)/ruff check mla_serve tests
+	$(BIN)/ruff format --check mla_serve tests
 	$(BIN)/mypy
 
 format: $(BIN)/mla-serve  ## apply ruff's formatting and safe fixes
-	$(BIN)/ruff check --fix server tests
-	$(BIN)/ruff format server tests
+	$(BIN)/ruff check --fix mla_serve tests
+	$(BIN)/ruff format mla_serve tests
 
 test: lint $(VENV)/.test-deps  ## lint, then every test (downloads the 7 vLLM wheels once)
 	$(BIN)/python -m pytest

@@ -12,7 +12,7 @@
 #                  only), none (no lookup); a base that cannot be resolved is built by tag,
 #                  with a warning, and base.digest is left empty.
 #   VLLM_SOURCE    base (BASE_IMAGE ships vLLM) or index (install vLLM from the package index)
-#   PYTHON         a Python that can import this checkout's `server` (default .venv/bin/python)
+#   PYTHON         a Python that can import this checkout's `mla_serve` (default .venv/bin/python)
 #   PLATFORM       linux/amd64 or linux/arm64 (GB200/GB300 Grace nodes): `docker build
 #                  --platform`, and the default tag gets -amd64/-arm64; unset: the build
 #                  host's architecture, untagged (an arm64 build on x86 needs binfmt/qemu)
@@ -20,7 +20,7 @@
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_CERT, PIP_DEFAULT_TIMEOUT
 #                  passed to the build's pip when set
 #
-# The build context is only what the image needs (pyproject.toml, README.md, server/,
+# The build context is only what the image needs (pyproject.toml, README.md, mla_serve/,
 # patches/, docker/; tracked or not ignored), streamed as a tar: never .cache/ or .venv/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -128,7 +128,7 @@ extra=(${DOCKER_BUILD_FLAGS:-})
 
 echo "docker build: $IMAGE (vLLM ${VLLM_VERSION} from ${VLLM_SOURCE}, base ${BASE_IMAGE}${PLATFORM:+, $PLATFORM})"
 git ls-files -z --cached --others --exclude-standard -- \
-        pyproject.toml README.md server patches docker |
+        pyproject.toml README.md mla_serve patches docker |
     while IFS= read -r -d '' path; do
         if [ -f "$path" ]; then printf '%s\0' "$path"; fi
     done |

@@ -2,7 +2,7 @@
 """What the image's labels say about its fixes, and the proof that they say the truth.
 
   labels.py build-args VLLM_VERSION
-      (on the build host, with the checkout's `server` importable) prints the
+      (on the build host, with the checkout's `mla_serve` importable) prints the
       KEY=VALUE build args the labels are made of: SERIES_DIGEST, FIXES
       (`fix=status,...` in catalog order) and MLA_SERVE_VERSION.
   labels.py check --manifest FILE --vllm-version V --series-digest D --fixes F
@@ -35,8 +35,8 @@ def fixes_text(pairs: list[tuple[str, str]]) -> str:
 
 
 def build_args(version: str) -> dict[str, str]:
-    from server import __version__
-    from server.patching import catalog as catalog_
+    from mla_serve import __version__
+    from mla_serve.patching import catalog as catalog_
 
     catalog = catalog_.load()
     name = catalog.release_of(version)
@@ -78,12 +78,12 @@ def installation_problems() -> list[str]:
     plugins = [e for e in metadata.entry_points(group=PLUGIN_GROUP) if e.name == PLUGIN_NAME]
     if not plugins:
         found.append(f"no {PLUGIN_GROUP} entry point {PLUGIN_NAME!r}: the engine plugin is missing")
-    spec = util.find_spec("server")
+    spec = util.find_spec("mla_serve")
     files = metadata.files("mla-serve") or []
     ours = {str(Path(str(f.locate())).resolve()) for f in files if str(f).endswith(".py")}
     if spec is None or spec.origin is None or str(Path(spec.origin).resolve()) not in ours:
         found.append(
-            f"`import server` finds {spec.origin if spec else None}, not mla-serve's package"
+            f"`import mla_serve` finds {spec.origin if spec else None}, not mla-serve's package"
         )
     return found
 

@@ -23,7 +23,7 @@ if [ "$#" -gt 0 ]; then
     releases=("$@")
 else
     mapfile -t releases < <(PYTHONPATH="$PWD" "$PYTHON" -c \
-        'from server.patching import catalog; print("\n".join(catalog.load().releases))')
+        'from mla_serve.patching import catalog; print("\n".join(catalog.load().releases))')
 fi
 
 work="$(mktemp -d)"

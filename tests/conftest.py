@@ -20,7 +20,7 @@ import pytest
 if TYPE_CHECKING:
     from vllm_standin import StandIn
 
-    from server.sidecar.settings import Settings
+    from mla_serve.sidecar.settings import Settings
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # helpers import as plain modules (trees, vllm_standin…)
@@ -28,7 +28,7 @@ sys.path.insert(1, str(TESTS.parent))
 
 from vllm_tree import CATALOG, Expect  # noqa: E402
 
-from server.patching import tree as tree_  # noqa: E402
+from mla_serve.patching import tree as tree_  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,7 +64,7 @@ def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
     """Start sidecars with the given settings on real sockets; returns each one's URL."""
     from http_server import ServerThread
 
-    from server.sidecar.app import create_app
+    from mla_serve.sidecar.app import create_app
 
     servers: list[ServerThread] = []
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import trees
 
-from server import cli
-from server.patching import catalog, manifest, wheel
+from mla_serve import cli
+from mla_serve.patching import catalog, manifest, wheel
 
 RELEASE = trees.DEFAULT_RELEASE
 

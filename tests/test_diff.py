@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.patching import diff
+from mla_serve.patching import diff
 
 ORIGINAL = "".join(f"line {i}\n" for i in range(1, 21))
 

@@ -28,7 +28,7 @@ from types import ModuleType
 import pytest
 import trees
 
-from server.patching import catalog, engine, manifest, tree
+from mla_serve.patching import catalog, engine, manifest, tree
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 import fatbin  # noqa: E402
 
-from server.patching import wheel  # noqa: E402
+from mla_serve.patching import wheel  # noqa: E402
 
 MODULE = "vllm/_flashmla_extension_C.abi3.so"  # small, with sm_90 and sm_100 cubins
 

@@ -1,4 +1,4 @@
-"""The loop detector (server/sidecar/loops.py) on the corpus of tests/loop_corpus.py.
+"""The loop detector (mla_serve/sidecar/loops.py) on the corpus of tests/loop_corpus.py.
 
 Every loop shape is caught, streamed in several chunkings and checked whole, soon after the
 loop reaches `min_repeats` units and `min_chars` characters; no legitimate text is ever
@@ -20,8 +20,8 @@ from loop_corpus import (
 )
 from prometheus_client import CollectorRegistry
 
-from server.sidecar.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
-from server.sidecar.runaways import Completion
+from mla_serve.sidecar.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
+from mla_serve.sidecar.runaways import Completion
 
 CHUNKINGS = ((4,), (1,), (3, 5, 4, 2, 6, 4), (17, 1, 9))
 DEFAULT = LoopConfig()

@@ -23,7 +23,7 @@ from loop_corpus import LEGIT
 from scrape import count, samples
 from vllm_standin import StandIn
 
-from server.sidecar.settings import Settings
+from mla_serve.sidecar.settings import Settings
 
 MODEL = "glm-5.3-flash"
 MAX_TOKENS = 3000
@@ -252,7 +252,7 @@ def test_vllm_side_defaults_are_added_where_missing(vllm, sidecar):
 )
 def test_bad_guard_settings_are_one_line_exit_2(flags: list[str], message: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "sidecar", *flags],
+        [sys.executable, "-m", "mla_serve.cli", "sidecar", *flags],
         capture_output=True,
         text=True,
         timeout=60,

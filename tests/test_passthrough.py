@@ -18,8 +18,8 @@ import pytest
 from scrape import count
 from vllm_standin import StandIn
 
-from server.sidecar.runaways import Choice
-from server.sidecar.settings import Settings
+from mla_serve.sidecar.runaways import Choice
+from mla_serve.sidecar.settings import Settings
 
 MODEL = "glm-5.3-flash"
 

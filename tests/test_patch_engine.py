@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import trees
 
-from server import cli
-from server.patching import catalog as catalog_
-from server.patching import diff, engine, manifest, probes, tree
+from mla_serve import cli
+from mla_serve.patching import catalog as catalog_
+from mla_serve.patching import diff, engine, manifest, probes, tree
 
 CATALOG = catalog_.load()
 AFFECTED = [r for r in trees.RELEASES if CATALOG.series(r).patches]

@@ -38,9 +38,9 @@ from pathlib import Path
 import pytest
 import trees
 
-from server import cli
-from server.patching import catalog as catalog_
-from server.patching import engine, journal, manifest, tree
+from mla_serve import cli
+from mla_serve.patching import catalog as catalog_
+from mla_serve.patching import engine, journal, manifest, tree
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT_DIR = ROOT / "build" / "patch-faults"
@@ -416,7 +416,7 @@ def test_a_file_size_limit_while_journaling_is_one_line(tmp_path: Path):
         "import resource, signal, sys; "
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
-        "from server import cli; sys.exit(cli.main(sys.argv[1:]))"
+        "from mla_serve import cli; sys.exit(cli.main(sys.argv[1:]))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, "patches", "apply", "--target", str(target)],
@@ -662,7 +662,7 @@ def test_the_entrypoint_refuses_to_start_on_a_forged_manifest(tmp_path: Path):
     (bin_dir / "vllm").write_text(f'#!/bin/sh\necho "vllm $*" >> {log}\n')
     (bin_dir / "vllm").chmod(0o755)
     (bin_dir / "mla-serve").write_text(
-        f'#!/bin/sh\nexec {sys.executable} -c "import sys; from server import cli; '
+        f'#!/bin/sh\nexec {sys.executable} -c "import sys; from mla_serve import cli; '
         f'sys.exit(cli.main(sys.argv[1:]))" "$@"\n'
     )
     (bin_dir / "mla-serve").chmod(0o755)

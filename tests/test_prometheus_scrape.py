@@ -15,8 +15,8 @@ from http_server import free_port
 from test_sidecar import _plugin_state
 from vllm_standin import StandIn
 
-from server.plugin import state
-from server.sidecar.settings import Settings
+from mla_serve.plugin import state
+from mla_serve.sidecar.settings import Settings
 
 
 def _prometheus_binary() -> str:

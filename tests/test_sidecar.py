@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from scrape import samples
 from vllm_standin import StandIn
 
-from server.plugin import state
-from server.sidecar.settings import Settings
+from mla_serve.plugin import state
+from mla_serve.sidecar.settings import Settings
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_unreachable_slow_or_garbage_vllm_never_hangs_the_sidecar(vllm, sidecar)
 
 
 def _plugin_state(rank: int, mode: str, workspace: int | None) -> dict[str, object]:
-    """A rank file as the engine plugin writes it (see server/plugin/collect.py)."""
+    """A rank file as the engine plugin writes it (see mla_serve/plugin/collect.py)."""
     return {
         "rank": rank,
         "local_rank": rank,

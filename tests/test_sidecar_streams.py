@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from server.sidecar import routes, sse, vllm_log
+from mla_serve.sidecar import routes, sse, vllm_log
 
 
 def _events(end: bytes) -> bytes:

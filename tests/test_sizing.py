@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from server import sizing
-from server.cli import main
-from server.sizing import backend, quant, shape, weights
+from mla_serve import sizing
+from mla_serve.cli import main
+from mla_serve.sizing import backend, quant, shape, weights
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 GLM52 = MODELS / "GLM-5.2" / "config.json"
@@ -509,7 +509,7 @@ def test_every_fixture_has_a_source_note():
 def test_dsv4_cache_is_vllms_compressed_layout():
     """DeepSeek-V4-Flash: 21 layers at compress ratio 4 (584 B fp8_ds_mla state per 4 tokens,
     plus a 132 B indexer state per 4 tokens), 20 at 128, 2 sliding-window only."""
-    from server.sizing import dsv4
+    from mla_serve.sizing import dsv4
 
     cfg = config(DSV4_FLASH)
     shape_ = dsv4.from_config(cfg)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import upstream
 
-from server.patching import catalog
+from mla_serve.patching import catalog
 
 RELEASE = "9.9.9"
 FILES = {

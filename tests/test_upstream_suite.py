@@ -13,8 +13,8 @@ import pytest
 import trees
 import upstream
 
-from server import cli
-from server.patching import catalog
+from mla_serve import cli
+from mla_serve.patching import catalog
 
 CATALOG = catalog.load()
 RUNS = [

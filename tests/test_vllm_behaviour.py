@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import trees
 
-from server import cli
-from server.patching import catalog
+from mla_serve import cli
+from mla_serve.patching import catalog
 
 CATALOG = catalog.load()
 CASES = [(r, "pristine") for r in trees.RELEASES] + [

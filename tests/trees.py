@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from server.patching import catalog, engine, manifest, tree, wheel
+from mla_serve.patching import catalog, engine, manifest, tree, wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MLA_SERVE_CACHE", ROOT / ".cache"))

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script (GPU machine): the repo root for `server`
     sys.path.insert(0, str(ROOT))
 
-from server.patching import catalog as catalog_  # noqa: E402
+from mla_serve.patching import catalog as catalog_  # noqa: E402
 
 CACHE = Path(os.environ.get("MLA_SERVE_CACHE", ROOT / ".cache"))
 TIMEOUT_S = 60  # per network read

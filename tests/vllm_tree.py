@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from server.patching import catalog as catalog_
+from mla_serve.patching import catalog as catalog_
 
 CATALOG = catalog_.load()
 

@@ -58,7 +58,7 @@ KV_CACHE_DTYPES = [
 
 Schema = dict[str, Any]
 
-# The sidecar's --loop-action values (server/sidecar/loops.py ACTIONS).
+# The sidecar's --loop-action values (mla_serve/sidecar/loops.py ACTIONS).
 LOOP_ACTIONS = ["off", "observe", "stop"]
 
 

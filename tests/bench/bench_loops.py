@@ -1,4 +1,4 @@
-"""`make bench`: what the runaway guard (server/sidecar/loops.py) costs the sidecar (issue 15).
+"""`make bench`: what the runaway guard (mla_serve/sidecar/loops.py) costs the sidecar (issue 15).
 
 1. The sidecar process: the same streamed load through a sidecar with `--loop-action off` and
    one with `--loop-action observe` (the default), in alternating rounds, against the fast
@@ -42,9 +42,9 @@ from passthrough import proxies  # noqa: E402
 from passthrough.procs import Proc, free_port, wait_http  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from server.sidecar.loops import LoopGuard, LoopPolicy  # noqa: E402
-from server.sidecar.proxy import _observe  # noqa: E402
-from server.sidecar.runaways import Completion  # noqa: E402
+from mla_serve.sidecar.loops import LoopGuard, LoopPolicy  # noqa: E402
+from mla_serve.sidecar.proxy import _observe  # noqa: E402
+from mla_serve.sidecar.runaways import Completion  # noqa: E402
 
 TARGET_GROWTH = 0.20
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trees
 
-from server.patching import catalog, engine, manifest, tree
+from mla_serve.patching import catalog, engine, manifest, tree
 
 TARGET_SECONDS = 2.0
 

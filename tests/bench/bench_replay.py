@@ -68,7 +68,7 @@ def start_sidecar_from(src: Path, upstream: int, work: Path) -> proxies.Target:
     the before of a before/after comparison in one run."""
     port, admin = free_port(), free_port()
     argv = [
-        sys.executable, "-m", "server.cli", "sidecar",
+        sys.executable, "-m", "mla_serve.cli", "sidecar",
         "--vllm-url", f"http://127.0.0.1:{upstream}", "--host", "127.0.0.1",
         "--port", str(port), "--log-level", "warning", "--admin-port", str(admin),
     ]  # fmt: skip
@@ -325,7 +325,7 @@ def against_targets(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def versions(bench_venv: Path) -> dict[str, str]:
     out = proxies.versions(("aiohttp", "uvicorn", "uvloop", "httptools", "mla-serve"), bench_venv)
-    # what server/sidecar/serve.py picks: httptools and uvloop when importable
+    # what mla_serve/sidecar/serve.py picks: httptools and uvloop when importable
     out["sidecar_http"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
     out["sidecar_loop"] = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     return out

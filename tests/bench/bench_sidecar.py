@@ -27,9 +27,9 @@ from http_server import ServerThread
 from test_sidecar import _plugin_state
 from vllm_standin import StandIn
 
-from server.plugin import state
-from server.sidecar.app import create_app
-from server.sidecar.settings import Settings
+from mla_serve.plugin import state
+from mla_serve.sidecar.app import create_app
+from mla_serve.sidecar.settings import Settings
 
 TARGETS_MS = {"/metrics": 10.0, "/readyz": 5.0}
 

@@ -79,7 +79,7 @@ def prepare(store: Path, work: Path, release: str, state: str) -> tuple[Path, di
     notes: dict[str, Any] = {}
     if state == "patched":
         applied = subprocess.run(
-            [sys.executable, "-m", "server.cli", "patches", "apply", "--target", str(tree)],
+            [sys.executable, "-m", "mla_serve.cli", "patches", "apply", "--target", str(tree)],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -101,7 +101,7 @@ def expect(release: str, layout: dict[str, Any], state: str) -> str:
     dcp-rank-device-tensor); the others need SM100 (FlashInfer's sparse MLA), PCP
     with DCP, or DeepSeek-V4.
     """
-    from server.patching import catalog
+    from mla_serve.patching import catalog
 
     if state != "pristine" or layout["parallel"]["dcp"] < 2:
         return "serves"

@@ -49,7 +49,7 @@ import layouts  # noqa: E402
 import model  # noqa: E402
 import parts  # noqa: E402
 
-from server.patching import wheel  # noqa: E402
+from mla_serve.patching import wheel  # noqa: E402
 
 ARCH = 90  # the H200
 CARRY_LIMIT = 64 * 2**20
@@ -229,8 +229,8 @@ def main() -> int:
             libraries = cute_dsl_libraries(dsl, whole / "cute-dsl-libs.tar.xz")
             for stale in out.glob(f"deps-{dsl}-part*"):
                 shutil.rmtree(stale)
-            for folder in parts.split(whole / "cute-dsl-libs.tar.xz", out, f"deps-{dsl}"):
-                sizes[folder.name] = carry_size(folder, repository)
+            for part in parts.split(whole / "cute-dsl-libs.tar.xz", out, f"deps-{dsl}"):
+                sizes[part.name] = carry_size(part, repository)
         (folder / "pack.json").write_text(
             json.dumps(
                 {

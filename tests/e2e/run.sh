@@ -60,7 +60,7 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null  # vLLM asks for more descriptors than the
 # The commands the image puts on PATH, for the image's own entrypoint.
 BIN="$STORE/bin" && mkdir -p "$BIN"
 printf '#!/bin/sh\nexec %s -m vllm.entrypoints.cli.main "$@"\n' "$PYTHON" > "$BIN/vllm"
-printf '#!/bin/sh\nexec %s -m server.cli "$@"\n' "$PYTHON" > "$BIN/mla-serve"
+printf '#!/bin/sh\nexec %s -m mla_serve.cli "$@"\n' "$PYTHON" > "$BIN/mla-serve"
 chmod +x "$BIN/"*
 export PATH="$BIN:$PATH"
 # VLLM_DEBUG_WORKSPACE logs the locked workspace; FlashInfer (a vLLM image has it) is not

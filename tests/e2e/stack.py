@@ -101,7 +101,7 @@ class Stack:
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "mla_serve.cli",
                 "sidecar",
                 "--host",
                 "127.0.0.1",

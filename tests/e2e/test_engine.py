@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from scrape import samples
 
-from server.sidecar import vllm_log as log_parser
+from mla_serve.sidecar import vllm_log as log_parser
 
 # Runtime modes whose graphs each resolved CUDA graph mode captures.
 CAPTURED_MODES = {

@@ -60,7 +60,7 @@ def stop_sidecar(live: dict[str, Any]) -> Iterator[str]:
     port = int(live["sidecar_url"].rsplit(":", 1)[1]) + STOP_PORT_OFFSET
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "sidecar", "--host", "127.0.0.1",
+        [sys.executable, "-m", "mla_serve.cli", "sidecar", "--host", "127.0.0.1",
          "--port", str(port), "--admin-port", str(port), "--vllm-url", live["vllm_url"],
          "--model", live["model"],
          "--loop-action", "stop", "--log-level", "warning"],

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository: server.patching (vllm_tree.py)
+sys.path.insert(0, str(HERE.parents[1]))  # the repository: mla_serve.patching (vllm_tree.py)
 sys.path.insert(0, str(HERE.parent))  # tests/: vllm_tree
 sys.path.insert(0, str(HERE))  # scenarios
 

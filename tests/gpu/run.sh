@@ -21,7 +21,7 @@ for archive in "$PACK"/trees/vllm-*.tar.xz; do
   states=(pristine)
   if grep -qv '^#' "patches/vllm-$release/series" 2>/dev/null; then
     cp -al "$WORK/$release/pristine" "$WORK/$release/patched"  # the engine replaces files
-    $PYTHON -m server.cli patches apply --target "$WORK/$release/patched" || exit 1
+    $PYTHON -m mla_serve.cli patches apply --target "$WORK/$release/patched" || exit 1
     states+=(patched)
   fi
   for state in "${states[@]}"; do

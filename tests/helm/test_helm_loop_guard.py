@@ -10,8 +10,8 @@ import helm_python as helm
 import pytest
 from helm_support import documents, find, render, sidecar_container
 
-from server.sidecar import settings as settings_
-from server.sidecar.settings import Settings
+from mla_serve.sidecar import settings as settings_
+from mla_serve.sidecar.settings import Settings
 
 
 def sidecar_settings(values: dict[str, Any]) -> Settings:

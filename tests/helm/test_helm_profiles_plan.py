@@ -37,7 +37,7 @@ def mla_serve() -> list[str]:
     if exe.exists():
         return [str(exe)]
     found = shutil.which("mla-serve")
-    return [found] if found else [sys.executable, "-m", "server.cli"]
+    return [found] if found else [sys.executable, "-m", "mla_serve.cli"]
 
 
 def plan_args(values: dict[str, Any], **overrides: Any) -> list[str]:

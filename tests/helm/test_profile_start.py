@@ -28,7 +28,7 @@ from helm_support import HERE, PROFILES, REPO, case_values, chart, documents, me
 from test_helm_profiles_plan import FIXTURES, MODELS, plan
 from test_helm_vllm_args import ENV, RELEASE
 
-from server.patching import wheel
+from mla_serve.patching import wheel
 
 GiB = 1 << 30
 

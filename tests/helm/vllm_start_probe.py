@@ -25,7 +25,7 @@ What runs is vLLM's code, unchanged:
    layers' specs are built as the sparse-MLA layers build them: the attention backend from
    vLLM's selector (`get_attn_backend`) on the declared GPU, its KV dtype canonicalization,
    vLLM's spec classes with the layer's arguments (one MLA spec per layer, one indexer spec
-   per layer that owns an indexer; which layers do comes from server.sizing's reading of
+   per layer that owns an indexer; which layers do comes from mla_serve.sizing's reading of
    the config, the same rule as vLLM 0.33.0's model code).
 
 The target GPU is declared, not detected: `DeclaredGpu` is vLLM's CUDA platform class
@@ -142,8 +142,8 @@ def kv_cache_specs(config: Any) -> dict[str, Any]:
     from vllm.v1.attention.selector import get_attn_backend
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
 
-    from server.sizing import dsv4
-    from server.sizing import shape as sizing_shape
+    from mla_serve.sizing import dsv4
+    from mla_serve.sizing import shape as sizing_shape
 
     hf = config.model_config.hf_config.to_dict()
     if dsv4.is_dsv4(hf) or getattr(config.model_config.hf_text_config, "compress_ratios", None):

@@ -84,7 +84,7 @@ class Sidecar:
         self.admin = f"http://127.0.0.1:{self.admin_port}"
         self.log = log
         command = [
-            sys.executable, "-m", "server.cli", "sidecar", "--host", "127.0.0.1",
+            sys.executable, "-m", "mla_serve.cli", "sidecar", "--host", "127.0.0.1",
             "--port", str(self.port), "--admin-port", str(self.admin_port),
             "--vllm-url", vllm_url, "--poll-interval", "0.2", "--probe-timeout", "1",
             "--upstream-timeout", "5", "--stream-idle-timeout", "1", "--body-timeout", "1",

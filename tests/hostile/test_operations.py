@@ -225,7 +225,7 @@ def test_bad_flags_are_one_line_errors(tmp_path, attack):
                  ["--max-inflight-body-bytes", "10"], ["--admin-port", "70000"],
                  ["--host", "203.0.113.254"]):  # fmt: skip
         port = str(free_port())
-        done = subprocess.run([sys.executable, "-m", "server.cli", "sidecar", "--port", port,
+        done = subprocess.run([sys.executable, "-m", "mla_serve.cli", "sidecar", "--port", port,
                                *args], cwd=root, env=env, capture_output=True, text=True,
                               timeout=30)  # fmt: skip
         lines = done.stderr.strip().splitlines()

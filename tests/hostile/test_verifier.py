@@ -12,8 +12,8 @@ import httpx
 import trees
 from scrape import samples
 
-from server.patching import probes
-from server.sidecar.settings import Settings
+from mla_serve.patching import probes
+from mla_serve.sidecar.settings import Settings
 
 
 def _wait(url: str, predicate, timeout: float = 15) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""server.sizing's workspace against vLLM's own `compute_trtllm_sparse_mla_workspace_bytes`.
+"""mla_serve.sizing's workspace against vLLM's own `compute_trtllm_sparse_mla_workspace_bytes`.
 
 Runs once per release and state (patched, pristine) in the child pytest started by
 tests/test_vllm_behaviour.py: every tree that has the function, upstream or from our
@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from server import sizing
+from mla_serve import sizing
 
 DCP = (1, 2, 4, 8)
 HEADS = (16, 32, 64, 128)
@@ -77,14 +77,14 @@ def test_override_semantics_match_vllm(backend, backend_log, monkeypatch):
 
 
 def test_dsv4_page_sizes_match_vllms_specs(expect):
-    """server.sizing.dsv4's 256-token pages against vLLM's own MLAAttentionSpec, as DeepSeek-V4's
+    """mla_serve.sizing.dsv4's 256-token pages against vLLM's own MLAAttentionSpec, as DeepSeek-V4's
     compressed layers (584 B fp8_ds_mla states, 576 B alignment) and its ratio-4 indexer
     (132 B states) build theirs."""
     import dataclasses
 
     import torch
 
-    from server.sizing import dsv4
+    from mla_serve.sizing import dsv4
 
     interface = importlib.import_module("vllm.v1.kv_cache_interface")
     fields = {f.name for f in dataclasses.fields(interface.MLAAttentionSpec)}

@@ -1,0 +1,214 @@
+"""`mla-serve patches …`: list, status, apply, verify, repair, fetch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from mla_serve.patching import catalog as catalog_
+from mla_serve.patching import diff, engine, journal, manifest, report, tree, wheel
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    patches = commands.add_parser("patches", help="the sparse-MLA fix series")
+    actions = patches.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    listing = actions.add_parser("list", help="every fix and its status in every release")
+    listing.add_argument("--format", choices=("text", "json"), default="text")
+    listing.add_argument("--verbose", action="store_true", help="symptoms and references too")
+    listing.set_defaults(run=_list)
+
+    for name, run, text in (
+        ("status", _status, "which fixes a vLLM tree has, proven by probes"),
+        ("apply", _apply, "apply the release's series (all or nothing) and write the manifest"),
+        ("verify", _verify, "check a patched tree against its manifest; non-zero on drift"),
+        ("repair", _repair, "undo an interrupted apply from its journal (restores the tree)"),
+    ):
+        sub = actions.add_parser(name, help=text)
+        sub.add_argument(
+            "--target",
+            type=Path,
+            metavar="DIR",
+            help="directory containing the vllm/ package (default: the installed vLLM)",
+        )
+        if name != "status":
+            sub.add_argument(
+                "--manifest",
+                type=Path,
+                metavar="FILE",
+                help=f"manifest path (default: <target>/vllm/{manifest.FILENAME})",
+            )
+        if name == "status":
+            sub.add_argument("--format", choices=("text", "json"), default="text")
+        if name == "apply":
+            sub.add_argument("--dry-run", action="store_true", help="check only, write nothing")
+        sub.set_defaults(run=run)
+
+    fetch = actions.add_parser("fetch", help="download a vLLM wheel (cached) and unpack it")
+    fetch.add_argument("--vllm-version", required=True, metavar="X.Y.Z")
+    fetch.add_argument("--dest", type=Path, required=True, metavar="DIR")
+    fetch.add_argument(
+        "--cache",
+        type=Path,
+        metavar="DIR",
+        default=Path(
+            os.environ.get("MLA_SERVE_WHEEL_CACHE", "~/.cache/mla-serve/wheels")
+        ).expanduser(),
+        help="wheel cache (default: $MLA_SERVE_WHEEL_CACHE or ~/.cache/mla-serve/wheels)",
+    )
+    fetch.add_argument("--python-only", action="store_true", help="skip compiled extensions")
+    fetch.set_defaults(run=_fetch)
+
+
+def _list(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    if args.format == "json":
+        print(json.dumps(report.catalog_json(catalog), indent=2))
+        return 0
+    print(report.matrix(catalog))
+    if args.verbose:
+        print()
+        print(report.details(catalog))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    found = tree.locate(args.target)
+    if journal.journal_path(found).exists():
+        print(
+            f"WARNING: an apply on {found.root} was interrupted; run `mla-serve patches repair`",
+            file=sys.stderr,
+        )
+    release = catalog.release_of(found.version)
+    states = engine.Plan(tree=found, release=release, series=catalog.series(release)).states(
+        catalog
+    )
+    if args.format == "json":
+        print(json.dumps(report.states_json(found.version, release, states), indent=2))
+        return 0
+    _describe(found, catalog.series(release))
+    print(report.matrix(catalog, release, states))
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    found = tree.locate(args.target)
+    _describe(found, catalog.series(catalog.release_of(found.version)))
+    path = args.manifest or manifest.default_path(found)
+    if args.dry_run:
+        if journal.journal_path(found).exists():
+            print(f"dry run: an interrupted apply would be undone first ({JOURNAL_HINT})")
+        plan = engine.plan(found, catalog)
+        _print_states(engine.check(plan, catalog))
+        changed = ", ".join(sorted(plan.changes)) or "nothing"
+        print(f"dry run: would change {changed}")
+        return 0
+    with journal.locked(found):
+        _recover(found, path, catalog)
+        plan = engine.plan(found, catalog)
+        states = engine.check(plan, catalog)
+        _print_states(states)
+        written = engine.write(plan, (path, manifest.render(manifest.build(plan, states))))
+    print(f"{len(written)} file(s) changed; manifest: {path}")
+    return 0
+
+
+JOURNAL_HINT = f"vllm/{journal.JOURNAL}"
+
+
+def _print_states(states: list[engine.FixState]) -> None:
+    for state in states:
+        print(f"  {state.fix.id:32} {state.action:16} probe {state.probe.word}")
+
+
+def _recover(found: tree.VllmTree, path: Path, catalog: catalog_.Catalog) -> list[str] | None:
+    """Under the lock: undo an interrupted apply, if any, and remove its leftovers."""
+    series = catalog.series(catalog.release_of(found.version))
+    names = sorted(
+        {
+            file_diff.path
+            for patch in series.patches
+            for file_diff in _parsed(series, patch)
+            if _inside(found, file_diff.path)
+        }
+    )
+    restored = journal.recover(found, path, names)
+    if restored is not None:
+        listed = ", ".join(restored) or "nothing had been written yet"
+        print(f"undid an interrupted apply from its journal: restored {listed}")
+    return restored
+
+
+def _parsed(series: catalog_.Series, patch: str) -> list[diff.FileDiff]:
+    try:
+        return diff.parse(series.text(patch))
+    except diff.DiffError:
+        return []  # plan() reports it, naming the fix
+
+
+def _inside(found: tree.VllmTree, name: str) -> bool:
+    try:
+        found.file(name)
+    except tree.TreeError:
+        return False  # plan() refuses it, naming the fix
+    return True
+
+
+def _repair(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    found = tree.locate(args.target)
+    path = args.manifest or manifest.default_path(found)
+    with journal.locked(found):
+        restored = _recover(found, path, catalog)
+    if restored is None:
+        print(f"vLLM {found.version} at {found.root}: no interrupted apply, nothing to repair")
+    else:
+        print(f"vLLM {found.version} at {found.root} is as it was before the interrupted apply")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    found = tree.locate(args.target)
+    path = args.manifest or manifest.default_path(found)
+    drifts = manifest.verify(found, manifest.read(path), catalog)
+    if drifts:
+        for drift in drifts:
+            print(f"DRIFT {drift.what}: {drift.detail}", file=sys.stderr)
+        print(f"vLLM {found.version} at {found.root} does not match {path}", file=sys.stderr)
+        return 1
+    print(f"vLLM {found.version} at {found.root} matches {path}")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    catalog.release_of(args.vllm_version)  # refuse unsupported releases before downloading
+    path = wheel.fetch(args.vllm_version, args.cache)
+    print(f"wheel: {path}")
+    wheel.unpack(path, args.dest, python_only=args.python_only, progress=print)
+    print(f"tree: {args.dest}")
+    return 0
+
+
+def _describe(found: tree.VllmTree, series: catalog_.Series) -> None:
+    commit = f" (commit {found.commit})" if found.commit else ""
+    print(f"vLLM {found.version}{commit} at {found.root}")
+    count = len(series.patches)
+    print(f"series vllm-{series.release}: {count} patch(es), digest {series.digest[:12]}")
+
+
+ERRORS = (
+    catalog_.CatalogError,
+    tree.TreeError,
+    engine.PatchError,
+    manifest.ManifestError,
+    journal.JournalError,
+    journal.WriteFailed,  # restoring a file while repairing: names the file and the reason
+    wheel.WheelError,
+)

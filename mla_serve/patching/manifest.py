@@ -1,0 +1,245 @@
+"""The record of what `apply` did to a tree, and the check that it still holds.
+
+The manifest is the single source the image labels, the sidecar's
+`mla_serve_fix_info` and the engine plugin read. It carries no timestamp, so
+applying to an already-patched tree rewrites it byte for byte identical.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mla_serve import __version__
+from mla_serve.patching import engine, journal, probes
+from mla_serve.patching.catalog import Catalog, CatalogError
+from mla_serve.patching.tree import VllmTree, sha256
+
+FILENAME = "mla_serve_manifest.json"
+SCHEMA = 1
+
+
+class ManifestError(Exception):
+    """No manifest, or one that cannot be read."""
+
+
+def default_path(tree: VllmTree) -> Path:
+    """Inside the vllm package, so it travels with the tree it describes."""
+    return tree.package / FILENAME
+
+
+def build(plan: engine.Plan, states: list[engine.FixState]) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "tool": "mla-serve",
+        "tool_version": __version__,
+        "vllm_version": plan.tree.version,
+        "vllm_commit": plan.tree.commit,
+        "release": plan.release,
+        "series": {
+            "directory": f"vllm-{plan.release}",
+            "patches": list(plan.series.patches),
+            "digest": plan.series.digest,
+        },
+        "fixes": [
+            {
+                "id": s.fix.id,
+                "title": s.fix.title,
+                "status": s.status.value,
+                "reason": s.fix.on(plan.release).reason,
+                "patches": list(s.fix.on(plan.release).patches),
+                "probe": s.probe.word,
+                "probe_detail": s.probe.detail,
+            }
+            for s in states
+        ],
+        "files": engine.touched_files(plan),
+    }
+
+
+def render(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
+def write(path: Path, document: dict[str, Any]) -> None:
+    """Write the manifest atomically (unique temporary name, fsynced); ManifestError if not."""
+    text = render(document)
+    try:
+        if path.is_file() and path.read_bytes() == text.encode():
+            return  # unchanged: leave the file (and its mtime) alone
+        journal.replace(path, text.encode())
+    except (OSError, journal.WriteFailed) as error:
+        raise ManifestError(str(error)) from None
+
+
+def read(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"no manifest at {path}; run `mla-serve patches apply` first") from None
+    except (OSError, ValueError, RecursionError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise ManifestError(f"cannot read manifest {path}: {reason}") from None
+    problem = _shape_problem(document)
+    if problem:
+        raise ManifestError(f"{path} is not an mla-serve manifest (schema {SCHEMA}): {problem}")
+    checked: dict[str, Any] = document
+    return checked
+
+
+def _shape_problem(document: object) -> str | None:
+    """What makes a document unusable as a manifest, or None (types, not trust)."""
+    required = {"schema", "vllm_version", "release", "series", "fixes", "files"}
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        return f"no schema {SCHEMA}"
+    if not required <= document.keys():
+        return "missing " + ", ".join(sorted(required - document.keys()))
+    if not all(isinstance(document[k], str) for k in ("vllm_version", "release")):
+        return "vllm_version and release must be strings"
+    series = document["series"]
+    if not isinstance(series, dict) or not isinstance(series.get("digest"), str):
+        return "series must have a digest"
+    if not isinstance(series.get("patches"), list):
+        return "series must list its patches"
+    fixes, files = document["fixes"], document["files"]
+    if not isinstance(fixes, list) or not all(
+        isinstance(f, dict) and isinstance(f.get("id"), str) for f in fixes
+    ):
+        return "fixes must be a list of objects with an id"
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict)
+        and isinstance(f.get("path"), str)
+        and isinstance(f.get("sha256_after"), str | None)
+        for f in files
+    ):
+        return "files must be a list of objects with a path and sha256_after"
+    for row in files:
+        name = row["path"]
+        if name.startswith("/") or "\\" in name or ".." in name.split("/"):
+            return f"file path {name!r} is not a relative path inside the vLLM tree"
+    return None
+
+
+@dataclass(frozen=True)
+class Drift:
+    what: str
+    detail: str
+
+
+def changed_files(
+    tree: VllmTree, document: dict[str, Any]
+) -> list[tuple[str, str | None, str | None]]:
+    """(path, sha256 now or None if missing, sha256 the manifest records) of each changed file."""
+    changed = []
+    for row in document["files"]:
+        text = tree.read(row["path"])
+        actual = None if text is None else sha256(text.encode())
+        if actual != row["sha256_after"]:
+            changed.append((row["path"], actual, row["sha256_after"]))
+    return changed
+
+
+def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[Drift]:
+    """Everything that no longer matches; empty only when the tree is intact.
+
+    The manifest is not trusted: it must agree with this mla-serve's catalog for the
+    tree's release (series digest and patches, every fix with its status and patches,
+    exactly the files the series touches), the series must be present in the tree,
+    every touched file must hash as recorded, and every fix's probe must pass.
+    """
+    drifts: list[Drift] = []
+    pending = journal.journal_path(tree)
+    if pending.exists():
+        drifts.append(
+            Drift(
+                "journal", f"an apply was interrupted ({pending}); run `mla-serve patches repair`"
+            )
+        )
+    if document["vllm_version"] != tree.version:
+        drifts.append(
+            Drift(
+                "version",
+                f"manifest is for vLLM {document['vllm_version']}, tree is {tree.version}",
+            )
+        )
+        return drifts
+    release = catalog.release_of(tree.version)
+    if document["release"] != release:
+        drifts.append(Drift("release", f"manifest says {document['release']}, tree is {release}"))
+    series = catalog.series(release)
+    if series.digest != document["series"]["digest"]:
+        drifts.append(
+            Drift(
+                "series",
+                f"this mla-serve carries a different series for {release}; run apply again",
+            )
+        )
+    if list(document["series"]["patches"]) != list(series.patches):
+        drifts.append(
+            Drift(
+                "series",
+                f"manifest lists patches {document['series']['patches']}, "
+                f"the series for {release} has {list(series.patches)}",
+            )
+        )
+    drifts += _fix_drifts(tree, document, catalog, release)
+    drifts += _series_drifts(tree, document, catalog)
+    for path, actual, expected in changed_files(tree, document):
+        state = "missing" if actual is None else f"sha256 {actual[:12]}…"
+        drifts.append(Drift(path, f"{state}, manifest says {str(expected)[:12]}…"))
+    return drifts
+
+
+def _fix_drifts(
+    tree: VllmTree, document: dict[str, Any], catalog: Catalog, release: str
+) -> list[Drift]:
+    """Each catalog fix must be listed with the catalog's status, and its probe must pass."""
+    drifts = []
+    listed = {row["id"]: row for row in document["fixes"]}
+    for fix in catalog.fixes:
+        claim = fix.on(release)
+        row = listed.get(fix.id)
+        if row is None:
+            drifts.append(
+                Drift(fix.id, f"not in the manifest; the catalog says {claim.status.value}")
+            )
+        elif row.get("status") != claim.status.value:
+            drifts.append(
+                Drift(
+                    fix.id,
+                    f"manifest says {row.get('status')}, the catalog says {claim.status.value} "
+                    f"for {release}",
+                )
+            )
+        elif list(row.get("patches") or []) != list(claim.patches):
+            drifts.append(Drift(fix.id, f"manifest lists other patches than {list(claim.patches)}"))
+        result = probes.run(fix.id, tree)
+        if not result.passed:
+            drifts.append(Drift(fix.id, f"probe fails: {result.detail}"))
+    for fix_id in sorted(set(listed) - {f.id for f in catalog.fixes}):
+        drifts.append(Drift(fix_id, "fix unknown to this mla-serve; run apply again"))
+    return drifts
+
+
+def _series_drifts(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[Drift]:
+    """The series must be present in the tree, and the manifest must list its files."""
+    try:
+        plan = engine.plan(tree, catalog)
+    except engine.PatchError as error:
+        return [Drift("series", f"not present in the tree: {error}")]
+    except CatalogError as error:
+        return [Drift("series", str(error))]
+    drifts = []
+    if plan.applied:
+        drifts.append(
+            Drift("series", f"patches not applied to the tree: {', '.join(plan.applied)}")
+        )
+    touched = set(plan.result)
+    recorded = {row["path"] for row in document["files"]}
+    for path in sorted(touched - recorded):
+        drifts.append(Drift(path, "the series changes this file but the manifest omits it"))
+    for path in sorted(recorded - touched):
+        drifts.append(Drift(path, "the manifest lists this file but the series does not touch it"))
+    return drifts

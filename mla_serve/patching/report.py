@@ -1,0 +1,144 @@
+"""Human and JSON renderings of the catalog and of a tree's fix states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mla_serve.patching.catalog import Catalog, UpstreamTests
+from mla_serve.patching.engine import FixState
+
+_SHORT = {"patched": "patched", "upstream": "upstream", "not-affected": "n/a"}
+
+
+def matrix(
+    catalog: Catalog, current: str | None = None, states: list[FixState] | None = None
+) -> str:
+    """Fix-by-release table; the `current` release's column also shows probe results."""
+    by_id = {s.fix.id: s for s in states or []}
+    width = max(len(f.id) for f in catalog.fixes)
+    headers = [f"[{r}]" if r == current else r for r in catalog.releases]
+    cells = {
+        fix.id: [
+            _cell(fix.on(release).status.value, by_id.get(fix.id) if release == current else None)
+            for release in catalog.releases
+        ]
+        for fix in catalog.fixes
+    }
+    widths = [
+        max(len(h), *(len(cells[f.id][i]) for f in catalog.fixes)) for i, h in enumerate(headers)
+    ]
+    lines = [
+        "fix".ljust(width)
+        + "  "
+        + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    ]
+    for fix in catalog.fixes:
+        row = "  ".join(c.ljust(w) for c, w in zip(cells[fix.id], widths, strict=True))
+        lines.append(fix.id.ljust(width) + "  " + row)
+    lines.append("n/a = not affected (the release never had the code)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(status: str, state: FixState | None) -> str:
+    label = _SHORT[status]
+    return label if state is None else f"{label}:{state.probe.word}"
+
+
+def catalog_json(catalog: Catalog) -> dict[str, Any]:
+    return {
+        "releases": list(catalog.releases),
+        "fixes": [
+            {
+                "id": fix.id,
+                "title": fix.title,
+                "symptom": fix.symptom,
+                "models": list(fix.models),
+                "layouts": list(fix.layouts),
+                "seeds": list(fix.seeds),
+                "upstream": list(fix.upstream),
+                "releases": {
+                    release: {
+                        "status": claim.status.value,
+                        "reason": claim.reason,
+                        "patches": list(claim.patches),
+                        "since": claim.since,
+                        "path": claim.path,
+                        "modes": list(claim.modes),
+                    }
+                    for release, claim in fix.releases.items()
+                },
+                "upstream_tests": _upstream_tests_json(fix.upstream_tests),
+            }
+            for fix in catalog.fixes
+        ],
+    }
+
+
+def states_json(version: str, release: str, states: list[FixState]) -> dict[str, Any]:
+    return {
+        "vllm_version": version,
+        "release": release,
+        "fixes": [
+            {
+                "id": s.fix.id,
+                "status": s.status.value,
+                "probe": s.probe.word,
+                "detail": s.probe.detail,
+            }
+            for s in states
+        ],
+    }
+
+
+def _upstream_tests_json(tests: UpstreamTests | None) -> dict[str, Any] | None:
+    if tests is None:
+        return None
+    return {
+        "sdist": tests.sdist,
+        "cpu": list(tests.cpu),
+        "gpu": list(tests.gpu),
+        "shows_bug": tests.shows_bug,
+        "left_out": [
+            {"test": o.test, "releases": list(o.releases), "reason": o.reason}
+            for o in tests.left_out
+        ],
+        "note": tests.note,
+    }
+
+
+def _proof(tests: UpstreamTests | None) -> list[str]:
+    """`patches list --verbose`: the upstream tests that prove a fix, and those left out."""
+    if tests is None:
+        return ["  proven by: no upstream test"]
+    lines = [f"  proven by upstream's tests (vLLM {tests.sdist} sdist, run unchanged):"]
+    for kind, names in (("cpu", tests.cpu), ("gpu", tests.gpu)):
+        lines += [f"    {kind}  {name.removesuffix('::')}" for name in names]
+    if not tests.shows_bug:
+        lines.append("    (a regression guard: passes with or without the fix)")
+    for left in tests.left_out:
+        where = ", ".join(left.releases) or "every release"
+        lines.append(f"    not on {where}: {left.test.split('::')[-1]}: {left.reason}")
+    if tests.note:
+        lines.append(f"    note: {tests.note}")
+    return lines
+
+
+def details(catalog: Catalog) -> str:
+    """Each fix's title, symptom, references, the code path per patched release and the
+    upstream tests that prove it, for `patches list --verbose`."""
+    blocks = []
+    for fix in catalog.fixes:
+        lines = [
+            f"{fix.id}: {fix.title}",
+            f"  symptom:  {fix.symptom}",
+            f"  models:   {', '.join(fix.models)}",
+            f"  layouts:  {', '.join(fix.layouts)}",
+            f"  upstream: {', '.join(fix.upstream)}",
+        ]
+        for release, claim in fix.releases.items():
+            if claim.path:
+                modes = f" [{', '.join(claim.modes)}]" if claim.modes else ""
+                lines.append(f"  path {release}{modes}: {claim.path}")
+        lines += _proof(fix.upstream_tests)
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

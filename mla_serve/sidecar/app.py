@@ -1,0 +1,258 @@
+"""The sidecar's ASGI application: health, status and metrics routes, and the pass-through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from mla_serve import __version__
+from mla_serve.sidecar import engine, fixes, health, routes, status, vllm_log
+from mla_serve.sidecar import settings as settings_
+from mla_serve.sidecar.canary import Canary
+from mla_serve.sidecar.loops import LoopGuard
+from mla_serve.sidecar.metrics import SidecarCollector, View
+from mla_serve.sidecar.proxy import Proxy, ProxySettings, QuietAborts, Receive, Refused, Scope, Send
+from mla_serve.sidecar.runaways import Ledger
+from mla_serve.sidecar.settings import Settings
+from mla_serve.sidecar.vllm_monitor import VllmMonitor
+
+log = logging.getLogger("mla_serve.sidecar")
+
+
+@dataclass
+class Sidecar:
+    """The sidecar's live state, shared by the routes and the background tasks."""
+
+    settings: Settings
+    monitor: VllmMonitor
+    fix_report: fixes.FixReport
+    registry: CollectorRegistry
+    ledger: Ledger
+    proxy: Proxy
+    canary: Canary | None
+    log_file: vllm_log.LogFile | None = None
+    task_errors: dict[str, str] = field(default_factory=dict)  # last crash of each task
+
+    @classmethod
+    def create(cls, settings: Settings) -> Sidecar:
+        registry = CollectorRegistry()
+        monitor = VllmMonitor(
+            settings.probe_timeout, settings.poll_interval, api_key=settings.vllm_api_key
+        )
+        ledger = Ledger(registry, "mla_serve_")
+        loops = LoopGuard(settings.loop_policy(), registry)
+        proxy = Proxy(
+            ProxySettings(
+                upstream=settings.vllm_url,
+                connect_timeout=settings.connect_timeout,
+                response_timeout=settings.upstream_timeout,
+                idle_timeout=settings.stream_idle_timeout,
+                body_timeout=settings.body_timeout,
+                max_body_bytes=settings.max_body_bytes,
+                max_inflight_body_bytes=settings.max_inflight_body_bytes,
+                max_json_values=settings.max_json_values,
+                max_event_bytes=settings.max_event_bytes,
+                max_headers=settings.max_headers,
+                routes=routes.OPENAI_ROUTES + settings_.extra_routes(settings),
+                trusted_proxies=settings_.trusted_proxies(settings),
+                http10_max_response_bytes=settings.max_body_bytes,
+            ),
+            ledger,
+            loops,
+            registry,
+        )
+        canary = None
+        if settings.canary_prompt_file is not None:
+            canary = Canary(
+                prompt_file=settings.canary_prompt_file,
+                model=settings.canary_model,
+                interval=settings.canary_interval,
+                concurrency=settings.canary_concurrency,
+                max_tokens=settings.canary_max_tokens,
+                timeout=settings.upstream_timeout,
+                ledger=Ledger(registry, "mla_serve_canary_"),
+                monitor=monitor,
+                api_key=settings.vllm_api_key,
+            )
+        fix_report = fixes.FixReport(path=settings.manifest)
+        log_file = None if settings.vllm_log is None else vllm_log.LogFile(settings.vllm_log)
+        sidecar = cls(settings, monitor, fix_report, registry, ledger, proxy, canary, log_file)
+        registry.register(SidecarCollector(sidecar.view))
+        return sidecar
+
+    def status_extra(self) -> dict[str, object]:
+        canary: dict[str, object] = {"enabled": self.canary is not None}
+        if self.canary is not None:
+            canary["last_round"] = self.canary.last_round
+            canary["recent_runaways"] = self.canary.ledger.recent_json()
+        extra: dict[str, object] = {
+            "runaways": {"recent": self.ledger.recent_json()},
+            "canary": canary,
+            "background_errors": dict(self.task_errors),
+        }
+        if self.log_file is not None:
+            extra["vllm_log"] = {"path": str(self.log_file.path), "error": self.log_file.error}
+        return extra
+
+    def readiness(self) -> health.Verdict:
+        # The monitor checks every poll interval with a bounded probe; a snapshot much older
+        # than that means the monitor itself is stuck or crashing.
+        stale_after = 5 * (self.settings.poll_interval + 3 * self.settings.probe_timeout)
+        return health.readiness(
+            self.monitor.snapshot,
+            self.fix_report,
+            self.settings.model,
+            stale_after=stale_after,
+            monitor_error=self.task_errors.get("vllm-monitor"),
+        )
+
+    def view(self) -> View:
+        ranks = engine.read(self.settings.state_dir, self.log_file)
+        return View(self.monitor.snapshot, self.fix_report, ranks, self.readiness().ok)
+
+    async def verify_fixes_once(self) -> None:
+        """Verify the manifest; anything that goes wrong fails closed, with the reason."""
+        try:
+            self.fix_report = await asyncio.to_thread(
+                fixes.check, self.settings.manifest, self.settings.vllm_tree
+            )
+        except Exception as error:
+            self.fix_report = fixes.failed(self.settings.manifest, error)
+
+    async def verify_fixes_forever(self) -> None:
+        while True:
+            await self.verify_fixes_once()
+            await asyncio.sleep(self.settings.manifest_interval)
+
+    async def follow_log_forever(self) -> None:
+        assert self.log_file is not None
+        while True:
+            await asyncio.to_thread(self.log_file.refresh)
+            await asyncio.sleep(self.settings.poll_interval)
+
+    async def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run a background task for ever: a crash is logged, kept for /readyz and
+        /status, and the task restarted after a pause."""
+        while True:
+            try:
+                await run()
+                raise RuntimeError("returned")
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self.task_errors[name] = f"{type(error).__name__}: {error}"
+                log.error("background task %s failed, restarting: %s", name, error)
+                if name == "fix-verifier":
+                    self.fix_report = fixes.failed(self.settings.manifest, error)
+                await asyncio.sleep(min(self.settings.poll_interval, 1.0))
+
+
+class Router:
+    """Dispatch by port and path; keeps the pass-through outside FastAPI's routing and
+    middleware stack, which saves per-request work on the hot path.
+
+    With an admin port, connections to it reach the sidecar's own routes (`admin`) and
+    those to the pass-through port reach only vLLM's OpenAI routes. Without one (library
+    use, tests), both share the port: `/v1/...` goes to the pass-through.
+    """
+
+    def __init__(self, admin: FastAPI, proxy: Proxy, admin_port: int | None) -> None:
+        self.admin = admin
+        self.proxy = proxy
+        self.admin_port = admin_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.admin(scope, receive, send)  # lifespan
+            return
+        if len(scope["headers"]) > self.proxy.settings.max_headers:
+            limit = self.proxy.settings.max_headers
+            await self.proxy.refuse(send, Refused(431, f"more than {limit} request headers"))
+            return
+        server = scope.get("server") or ("", 0)
+        if self.admin_port is not None:
+            # /livez says nothing but "running": the image's HEALTHCHECK finds it on --port.
+            if server[1] == self.admin_port or scope["path"] == "/livez":
+                await self.admin(scope, receive, send)
+            else:
+                await self.proxy(scope, receive, send)
+        elif scope["path"].startswith("/v1/"):
+            await self.proxy(scope, receive, send)
+        else:
+            await self.admin(scope, receive, send)
+
+
+def create_app(settings: Settings) -> Router:
+    """The sidecar as one ASGI app (both ports' routes; see Router)."""
+    sidecar = Sidecar.create(settings)
+    logging.getLogger("uvicorn.error").addFilter(QuietAborts())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await sidecar.proxy.start()
+        session = sidecar.proxy.session
+        if sidecar.log_file is not None:
+            await asyncio.to_thread(sidecar.log_file.refresh)
+        jobs: dict[str, Callable[[], Awaitable[None]]] = {
+            "vllm-monitor": lambda: sidecar.monitor.run(session),
+            "fix-verifier": sidecar.verify_fixes_forever,
+        }
+        if sidecar.log_file is not None:
+            jobs["vllm-log"] = sidecar.follow_log_forever
+        if sidecar.canary is not None:
+            canary = sidecar.canary
+            jobs["canary"] = lambda: canary.run(session)
+        tasks = [
+            asyncio.create_task(sidecar.supervise(name, job), name=name)
+            for name, job in jobs.items()
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await sidecar.proxy.close()
+
+    app = FastAPI(title="mla-serve sidecar", version=__version__, lifespan=lifespan)
+    app.state.sidecar = sidecar
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        """The sidecar's own liveness: answering at all is the signal."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        verdict = sidecar.readiness()
+        return JSONResponse(verdict.body(), status_code=200 if verdict.ok else 503)
+
+    @app.get("/startupz")
+    async def startupz() -> JSONResponse:
+        verdict = health.startup(sidecar.monitor.snapshot)
+        return JSONResponse(verdict.body(), status_code=200 if verdict.ok else 503)
+
+    @app.get("/status", response_model=None)
+    async def status_page(request: Request, format: str | None = None) -> Response:
+        view = await asyncio.to_thread(sidecar.view)
+        doc = status.document(view, sidecar.readiness(), settings.vllm_url, sidecar.status_extra())
+        wants_html = format == "html" or (
+            format is None and "text/html" in request.headers.get("accept", "")
+        )
+        if wants_html:
+            return HTMLResponse(status.render_html(doc))
+        return JSONResponse(doc)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(sidecar.registry), media_type=CONTENT_TYPE_LATEST)
+
+    admin_port = settings.admin_port if settings.admin_port != settings.port else None
+    return Router(app, sidecar.proxy, admin_port)

@@ -1,0 +1,412 @@
+"""The runaway guard: find reasoning loops in the pass-through's text, count them, stop them.
+
+A looping model repeats the same text exactly (one paragraph, or a short phrase, over and
+over) until `max_tokens`; DeepSeek-V4 users report 77k tokens of one paragraph. The
+length-cap runaway counter (runaways.py) sees such a request only when it ends. This module
+watches each choice's streamed text as it passes and confirms a loop when the tail of the
+text is periodic:
+
+    the last L characters have a period p (text[i] == text[i + p] over them), with
+    L >= max(min_repeats * p, min_chars) and p <= window_chars // min_repeats.
+
+So a paragraph must repeat `min_repeats` times, and a short unit (a phrase, one token, a
+run of newlines) must also cover `min_chars` characters: a markdown rule, an indented
+block or a few identical code lines never do.
+
+Cost, per choice: the text is kept as a rolling tail of at most 2 x `window_chars`
+characters, and every `check_every` characters one check runs: the last `probe_chars`
+characters are searched for in the max period before them (`str.rfind`, in C); each
+earlier occurrence at distance d is a candidate period, verified with one slice
+comparison (C as well). At most `max_candidates` candidates per check. A periodic tail
+always has its probe again at distance p, so no loop is missed; ordinary text rarely has a
+32-character string twice, so most checks end after one search.
+
+Interface: `LoopPolicy.watch(request, model)` gives a `ResponseGuard` for one response (None
+when the guard is off for that model); feed it every stream chunk (`add_chunk`, True when
+the stream must be stopped now) or the whole body (`add_body`); `ending()` gives the SSE
+events that end a stopped stream; `settle(completion)` marks loops on the runaway
+classifier's choices before they are counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from mla_serve.sidecar.runaways import Completion, Usage
+
+ACTIONS = ("off", "observe", "stop")
+STOP_REASON = "loop_detected"  # the stopped choice's `stop_reason` (a vLLM field)
+MARKER = "loop_guard"  # the final chunk's extra object describing the stop
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What counts as a loop. The defaults: zero false positives on tests/loop_corpus.py."""
+
+    min_repeats: int = 4  # k: the repeated unit appears at least this many times in a row
+    window_chars: int = 4096  # tail kept per choice; the longest period is window // k
+    min_chars: int = 1024  # the periodic tail covers at least this many characters
+    check_every: int = 32  # characters between two checks (detection delay, at most)
+    probe_chars: int = 32  # suffix searched for earlier in the tail
+    max_candidates: int = 8  # candidate periods verified per check
+
+    @property
+    def max_period(self) -> int:
+        return self.window_chars // self.min_repeats
+
+    def problems(self) -> list[str]:
+        """What makes this configuration unusable; empty when it is fine."""
+        found = []
+        if self.min_repeats < 2:
+            found.append("--loop-min-repeats must be at least 2")
+        if self.min_chars < self.probe_chars + 1:
+            found.append(f"--loop-min-chars must be more than {self.probe_chars}")
+        if self.window_chars < self.min_chars:
+            found.append("--loop-window-chars must be at least --loop-min-chars")
+        return found
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A confirmed loop: its period and how far it reached when confirmed."""
+
+    period_chars: int
+    repeats: int  # whole periods in the verified periodic tail
+    channel: str  # "reasoning" or "content" (chat), "text" (completions)
+    tokens: int | None  # tokens of the choice before detection (streams only)
+
+
+class TailDetector:
+    """Exact periodic repetition at the end of a growing text (one channel of one choice)."""
+
+    __slots__ = ("config", "fresh", "pieces", "tail")
+
+    def __init__(self, config: LoopConfig) -> None:
+        self.config = config
+        self.tail = ""
+        self.pieces: list[str] = []
+        self.fresh = 0
+
+    def feed(self, text: str) -> tuple[int, int] | None:
+        """Add text; (period, repeats) once the tail is a loop, else None."""
+        self.pieces.append(text)
+        self.fresh += len(text)
+        if self.fresh < self.config.check_every:
+            return None
+        return self.check()
+
+    def feed_all(self, text: str) -> tuple[int, int] | None:
+        """Check a whole text at once: its tail only, so a loop that ran to the end."""
+        self.pieces.append(text[-2 * self.config.window_chars :])
+        return self.check()
+
+    def check(self) -> tuple[int, int] | None:
+        config = self.config
+        self.fresh = 0
+        tail = self.tail + "".join(self.pieces)
+        self.pieces.clear()
+        if len(tail) > 2 * config.window_chars:
+            tail = tail[-config.window_chars :]
+        self.tail = tail
+        size = len(tail)
+        if size < config.min_chars:
+            return None
+        probe_size = config.probe_chars
+        probe = tail[-probe_size:]
+        end = size - 1  # occurrences that end before the last character
+        first = max(size - probe_size - config.max_period, 0)  # nothing farther can be a period
+        for _ in range(config.max_candidates):
+            start = tail.rfind(probe, first, end)
+            if start < 0:
+                return None
+            period = size - probe_size - start
+            span = max(config.min_repeats * period, config.min_chars)
+            if span > size:
+                return None  # a long period that has not repeated often enough yet
+            if tail[size - span + period :] == tail[size - span : size - period]:
+                return period, self._repeats(tail, period, span)
+            end = start + probe_size - 1
+        return None
+
+    @staticmethod
+    def _repeats(tail: str, period: int, span: int) -> int:
+        """Whole periods of the periodic tail, extended as far back as the kept tail goes."""
+        size = len(tail)
+        while span + period <= size and (
+            tail[size - span - period : size - span] == tail[size - span : size - span + period]
+        ):
+            span += period
+        return span // period
+
+
+@dataclass
+class _Watch:
+    """One choice of a response: its detector, channel, tokens so far, loop, finish."""
+
+    detector: TailDetector
+    channel: str = ""
+    tokens: int = 0
+    loop: Loop | None = None
+    finished: bool = False
+
+
+class LoopMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.loops = Counter(
+            "mla_serve_reasoning_loops",
+            "Choices whose text became an exact loop (periodic tail), by channel.",
+            ["model", "channel"],
+            registry=registry,
+        )
+        self.tokens_before = Histogram(
+            "mla_serve_loop_detection_tokens",
+            "Tokens a streamed choice had emitted when its loop was confirmed.",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.stops = Counter(
+            "mla_serve_loop_stops",
+            "Choices the guard ended early (loop action stop).",
+            ["model"],
+            registry=registry,
+        )
+        self.saved = Counter(
+            "mla_serve_loop_tokens_saved",
+            "Tokens not generated because the guard stopped a loop: max_tokens - emitted.",
+            ["model"],
+            registry=registry,
+        )
+
+
+@dataclass(frozen=True)
+class LoopPolicy:
+    """The guard's settings: what a loop is, what to do per model, vLLM-side defaults."""
+
+    action: str = "observe"
+    model_actions: Mapping[str, str] = field(default_factory=dict)
+    config: LoopConfig = field(default_factory=LoopConfig)
+    # Set on requests that do not set them (vLLM's own request fields; None = leave alone).
+    repetition_detection: Mapping[str, int] | None = None
+    thinking_token_budget: int | None = None
+
+    def action_for(self, model: str | None) -> str:
+        return self.model_actions.get(model or "", self.action)
+
+    def apply_defaults(self, request: dict[str, Any]) -> bool:
+        """Add the configured vLLM defaults to a request that lacks them; True if changed."""
+        changed = False
+        if self.repetition_detection is not None and request.get("repetition_detection") is None:
+            request["repetition_detection"] = dict(self.repetition_detection)
+            changed = True
+        if self.thinking_token_budget is not None and request.get("thinking_token_budget") is None:
+            request["thinking_token_budget"] = self.thinking_token_budget
+            changed = True
+        return changed
+
+    def watch(
+        self, request: Mapping[str, Any], model: str | None, metrics: LoopMetrics, chat: bool
+    ) -> ResponseGuard | None:
+        action = self.action_for(model)
+        if action == "off":
+            return None
+        return ResponseGuard(self.config, action, model, _max_tokens(request, chat), metrics)
+
+
+def _max_tokens(request: Mapping[str, Any], chat: bool) -> int | None:
+    """The request's output cap as vLLM reads it; None when vLLM derives it from the context."""
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in names:
+        value = request.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None if chat else 16  # vLLM's CompletionRequest default
+
+
+class ResponseGuard:
+    """The guard for one response: every choice's detector, the stop decision, the ending."""
+
+    def __init__(
+        self,
+        config: LoopConfig,
+        action: str,
+        model: str | None,
+        max_tokens: int | None,
+        metrics: LoopMetrics,
+    ) -> None:
+        self.config = config
+        self.action = action
+        self.model = model
+        self.max_tokens = max_tokens
+        self.metrics = metrics
+        self.watches: dict[int, _Watch] = {}
+        self.head: dict[str, Any] = {}
+        self.looping = 0  # choices with a confirmed loop
+        self.stopped = False
+
+    # -- streams ---------------------------------------------------------------------------
+    def add_chunk(self, chunk: dict[str, Any]) -> bool:
+        """Feed one stream chunk; True when the stream must end now (action stop)."""
+        if not self.head and chunk.get("id") is not None:
+            self.head = {key: chunk.get(key) for key in ("id", "object", "created", "model")}
+        choices = chunk.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return False
+        for raw in choices:
+            if not isinstance(raw, dict):
+                continue
+            index = raw.get("index", 0)
+            if not isinstance(index, int):
+                continue
+            watch = self.watches.get(index)
+            if watch is None:
+                watch = self.watches[index] = _Watch(TailDetector(self.config))
+            delta = raw.get("delta")
+            if delta.__class__ is dict:
+                if "role" not in delta:  # vLLM's first chunk per choice carries no token
+                    watch.tokens += 1
+                if watch.loop is None:  # a confirmed loop needs no more looking at
+                    text = delta.get("reasoning")
+                    if text:
+                        self._feed(watch, "reasoning", text)
+                    text = delta.get("content")
+                    if text:
+                        self._feed(watch, "content", text)
+            else:
+                watch.tokens += 1
+                text = raw.get("text")
+                if text and watch.loop is None:
+                    self._feed(watch, "text", text)
+            if raw.get("finish_reason"):
+                watch.finished = True
+        if self.looping and self.action == "stop" and self._all_looping():
+            self.stopped = True
+        return self.stopped
+
+    def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
+        if text.__class__ is not str or watch.loop is not None:
+            return
+        if channel != watch.channel:  # a new channel is progress: start over
+            watch.channel = channel
+            watch.detector = TailDetector(self.config)
+        found = watch.detector.feed(text)
+        if found is not None:
+            watch.loop = Loop(found[0], found[1], channel, watch.tokens)
+            self.looping += 1
+            model = self.model or "unknown"
+            self.metrics.loops.labels(model, channel).inc()
+            self.metrics.tokens_before.labels(model).observe(watch.tokens)
+
+    def _all_looping(self) -> bool:
+        running = [watch for watch in self.watches.values() if not watch.finished]
+        return bool(running) and all(watch.loop is not None for watch in running)
+
+    def ending(self, include_usage: bool) -> bytes:
+        """The SSE events that end a stopped stream: each looping choice's final chunk with
+        `finish_reason: "length"`, `stop_reason: "loop_detected"` and the `loop_guard`
+        marker, the usage chunk when the client asked for one, then `[DONE]`."""
+        model = self.model or "unknown"
+        chat = self.head.get("object") == "chat.completion.chunk"
+        events = []
+        for index, watch in sorted(self.watches.items()):
+            if watch.finished or watch.loop is None:
+                continue
+            saved = None if self.max_tokens is None else max(self.max_tokens - watch.tokens, 0)
+            self.metrics.stops.labels(model).inc()
+            if saved:
+                self.metrics.saved.labels(model).inc(saved)
+            choice: dict[str, Any] = {"index": index}
+            if chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            choice.update(logprobs=None, finish_reason="length", stop_reason=STOP_REASON)
+            marker = {
+                "action": "stop",
+                "channel": watch.loop.channel,
+                "period_chars": watch.loop.period_chars,
+                "repeats": watch.loop.repeats,
+                "completion_tokens": watch.tokens,
+                "tokens_saved": saved,
+            }
+            events.append(self.head | {"choices": [choice], MARKER: marker})
+        if include_usage:
+            tokens = sum(watch.tokens for watch in self.watches.values())
+            # The prompt's size is vLLM's to tell, and vLLM is gone: null, not a guess.
+            usage = {"prompt_tokens": None, "total_tokens": None, "completion_tokens": tokens}
+            events.append(self.head | {"choices": [], "usage": usage})
+        out = b"".join(
+            b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+            for event in events
+        )
+        return out + b"data: [DONE]\n\n"
+
+    # -- whole responses -------------------------------------------------------------------
+    def add_body(self, body: dict[str, Any]) -> None:
+        """A non-streamed response: check each choice's final reasoning and content."""
+        for index, loop in final_loops(body, self.config).items():
+            watch = self.watches.setdefault(index, _Watch(TailDetector(self.config)))
+            watch.finished = True
+            watch.loop = loop
+            self.metrics.loops.labels(self.model or "unknown", loop.channel).inc()
+
+    # -- the runaway classifier ------------------------------------------------------------
+    def settle(self, completion: Completion) -> None:
+        """Mark looping choices on the classifier; a stopped stream ends at "length" with the
+        tokens it emitted (vLLM's usage never came)."""
+        for index, watch in self.watches.items():
+            choice = completion.choices.get(index)
+            if choice is None:
+                continue
+            choice.loop = watch.loop is not None
+            if self.stopped and not watch.finished and watch.loop is not None:
+                choice.finish_reason = "length"
+        if self.stopped and completion.usage.completion_tokens is None:
+            tokens = sum(watch.tokens for watch in self.watches.values())
+            completion.usage = Usage(None, tokens, None)
+
+
+def final_loops(body: Mapping[str, Any], config: LoopConfig) -> dict[int, Loop]:
+    """The choices of a whole (non-streamed) response whose final text ends in a loop: the
+    loop ran to the end. Reasoning is checked, then content (or a completion's text)."""
+    found: dict[int, Loop] = {}
+    for raw in body.get("choices") or ():
+        if not isinstance(raw, dict) or not isinstance(raw.get("index", 0), int):
+            continue
+        message = raw.get("message")
+        parts = (
+            (("reasoning", message.get("reasoning")), ("content", message.get("content")))
+            if isinstance(message, dict)
+            else (("text", raw.get("text")),)
+        )
+        for channel, text in parts:
+            if isinstance(text, str) and text:
+                hit = TailDetector(config).feed_all(text)
+                if hit is not None:
+                    found[raw.get("index", 0)] = Loop(hit[0], hit[1], channel, None)
+                    break
+    return found
+
+
+class LoopGuard:
+    """The pass-through's hook: the policy and the metrics, one per sidecar."""
+
+    def __init__(self, policy: LoopPolicy, registry: CollectorRegistry) -> None:
+        self.policy = policy
+        self.metrics = LoopMetrics(registry)
+
+    def prepare(self, request: dict[str, Any]) -> bool:
+        """Set vLLM-side defaults on a request; True when the body must be re-encoded."""
+        return self.policy.apply_defaults(request)
+
+    def watch(self, request: Mapping[str, Any], path: str) -> ResponseGuard | None:
+        """A guard for the response to `request` (None when the guard is off for its model)."""
+        model = request.get("model")
+        model = model if isinstance(model, str) else None
+        return self.policy.watch(request, model, self.metrics, path == "/v1/chat/completions")

@@ -1,0 +1,833 @@
+"""The OpenAI pass-through: forward vLLM's OpenAI routes, classify what comes back.
+
+Written as a bare ASGI app on aiohttp's client, not FastAPI routes: every SSE
+chunk passes through here, and per-chunk overhead is the product. Bytes go
+out as they arrive and unchanged (complete SSE events per upstream read, never
+the whole response); status, headers and bodies are vLLM's own, less the
+hop-by-hop headers a proxy must not pass on.
+
+Only the routes in `routes.OPENAI_ROUTES` (plus `--extra-routes`) are forwarded,
+checked on the normalized path; everything else is a 404 here.
+
+The runaway guard (loops.py), when on, sees every chunk of a classified response; in
+stop mode it ends a stream whose text loops (closing the upstream connection, so vLLM
+aborts the request) with its own final events.
+
+Classification needs the final usage of a stream. When a client streams without
+asking for `stream_options.include_usage`, the request is sent with it (spliced
+into the client's bytes, not re-serialized) and the usage-only chunk is dropped
+on the way back, so the client sees what it asked for.
+
+Memory: a request body is read up to `max_body_bytes`, and all bodies being read
+at once share `max_inflight_body_bytes`. A classified body is parsed only when its
+count of JSON values is under `max_json_values` (the parsed tree's size is bounded
+by it), one at a time on the event loop, and dropped once its three fields are read.
+A stream event is buffered up to `max_event_bytes`; a bigger one is forwarded unparsed.
+
+Faults: vLLM unreachable → 503; no response headers within the timeout → 504;
+a broken upstream before headers → 502; a body that stalls longer than the idle
+timeout, or is cut short, after the headers: an error event ends an SSE stream,
+any other body is aborted (the client sees a broken connection, never a clean
+but short end). A client that disconnects cancels the upstream request, so vLLM
+aborts it and frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from yarl import URL
+
+from mla_serve.sidecar import sse
+from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
+from mla_serve.sidecar.routes import OPENAI_ROUTES, Routes, normalize
+from mla_serve.sidecar.runaways import Completion, Ledger
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("mla_serve.sidecar")
+
+CLASSIFIED = ("/v1/chat/completions", "/v1/completions")
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the client library sets for its own request.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
+        b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade",
+    }
+)  # fmt: skip
+# X-Forwarded-For and -Proto are what uvicorn (so vLLM) believes about the client: set here.
+NOT_FORWARDED = HOP_BY_HOP | {
+    b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-proto"
+}  # fmt: skip
+NOT_RETURNED = HOP_BY_HOP | {b"content-length"}
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    upstream: str
+    connect_timeout: float = 5.0
+    response_timeout: float = 600.0  # until vLLM's response headers
+    idle_timeout: float = 300.0  # between two reads of any response body
+    body_timeout: float = 60.0  # longest gap while reading the client's request body
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_inflight_body_bytes: int = 64 * 1024 * 1024
+    max_json_values: int = 1_000_000
+    max_event_bytes: int = 4 * 1024 * 1024
+    max_headers: int = 100
+    routes: tuple[str, ...] = OPENAI_ROUTES
+    trusted_proxies: tuple[Network, ...] = ()
+    http10_max_response_bytes: int = 16 * 1024 * 1024
+
+
+class ClientGone(Exception):
+    """The client disconnected; the upstream request is cancelled."""
+
+
+class Aborted(Exception):
+    """The response was already started and cannot be finished: drop the connection."""
+
+
+class Refused(Exception):
+    """A request answered here, before vLLM: status, message, error type."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def error_body(status: int, message: str, kind: str) -> bytes:
+    """An OpenAI-style error document, as vLLM itself returns them."""
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    ).encode()
+
+
+class ByteBudget:
+    """Bytes of request bodies held at once, over all requests."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, size: int) -> bool:
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.used -= size
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry, budget: ByteBudget) -> None:
+        self.buffered = Gauge(
+            "mla_serve_buffered_bytes",
+            "Bytes the pass-through holds now (request bodies, partial events, bodies kept to "
+            "classify), against --max-inflight-body-bytes.",
+            registry=registry,
+        )
+        self.buffered.set_function(lambda: budget.used)
+        self.refused = Counter(
+            "mla_serve_refused_requests",
+            "Requests the pass-through answered itself, by HTTP status.",
+            ["code"],
+            registry=registry,
+        )
+        self.unparsed = Counter(
+            "mla_serve_unparsed_events",
+            "Upstream events or bodies relayed unchanged but not classified (not the JSON "
+            "expected, or over --max-event-bytes).",
+            registry=registry,
+        )
+        self.truncated = Counter(
+            "mla_serve_truncated_responses",
+            "Upstream responses that stalled or broke off after their headers.",
+            registry=registry,
+        )
+
+
+@dataclass
+class Request:
+    """What the pass-through needs from a classified request; the parsed tree is not kept."""
+
+    stream: bool = False
+    model: str | None = None
+    strip_usage: bool = False
+    guard: ResponseGuard | None = None  # the runaway guard's watch on the response
+    body: list[bytes] = field(default_factory=list)  # cleared once sent
+    held: int = 0  # bytes of the in-flight body budget it holds
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        ledger: Ledger,
+        loops: LoopGuard | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.loops = loops  # the runaway guard (loops.py); None: no loop detection
+        self.routes = Routes(settings.routes)
+        self.budget = ByteBudget(settings.max_inflight_body_bytes)
+        self.metrics = ProxyMetrics(
+            registry if registry is not None else CollectorRegistry(), self.budget
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            base_url=self.settings.upstream,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The one connection pool to vLLM, shared with the monitor and the canary: their
+        requests keep a connection warm for the first client request."""
+        assert self._session is not None, "start() first"
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def route(self, scope: Scope) -> str | None:
+        """The normalized path if the pass-through serves it, else None."""
+        path = normalize(scope["path"])
+        return path if path is not None and self.routes.allows(path) else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = self.route(scope)
+        if path is None:
+            await self.refuse(send, Refused(404, "no such route", "not_found_error"))
+            return
+        collector = None
+        if scope.get("http_version") == "1.0":
+            limit = self.settings.http10_max_response_bytes
+            send = collector = Http10Sender(send, limit, self.budget)
+        try:
+            with contextlib.suppress(ClientGone):  # nothing to answer, nobody to answer to
+                try:
+                    await self._handle(scope, path, receive, send)
+                except Refused as refused:
+                    await self.refuse(send, refused)
+        finally:
+            if collector is not None:
+                collector.release()
+
+    async def refuse(self, send: Send, refused: Refused) -> None:
+        self.metrics.refused.labels(str(refused.status)).inc()
+        body = error_body(refused.status, str(refused), refused.kind)
+        await _respond(send, refused.status, body)
+
+    async def _handle(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
+        if len(scope["headers"]) > self.settings.max_headers:
+            raise Refused(431, f"more than {self.settings.max_headers} request headers")
+        request = Request()
+        try:
+            await self._read_body(scope, receive, request)
+            classify = scope["method"] == "POST" and path in CLASSIFIED
+            if classify:
+                inspect(request, self.settings.max_json_values, self.loops, path)
+            exchange = self._exchange(scope, path, request, send, classify)
+            await _cancel_on_disconnect(exchange, receive)
+        finally:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Drop the body and give its bytes back to the budget (once)."""
+        request.body.clear()
+        self.budget.give(request.held)
+        request.held = 0
+
+    async def _read_body(self, scope: Scope, receive: Receive, request: Request) -> None:
+        limit = self.settings.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise Refused(413, f"request body over {limit} bytes")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as guard:
+                while True:
+                    guard.reschedule(loop.time() + self.settings.body_timeout)
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = message.get("body", b"")
+                    if request.held + len(chunk) > limit:
+                        raise Refused(413, f"request body over {limit} bytes")
+                    if not self.budget.take(len(chunk)):
+                        raise Refused(
+                            503, "the sidecar is at its in-flight request body limit; retry",
+                            "server_busy",
+                        )  # fmt: skip
+                    request.held += len(chunk)
+                    if chunk:
+                        request.body.append(chunk)
+                    if not message.get("more_body"):
+                        break
+        except TimeoutError:
+            raise Refused(
+                408, f"request body stalled for {self.settings.body_timeout:g} s"
+            ) from None
+        if len(request.body) > 1:
+            request.body[:] = [b"".join(request.body)]
+
+    async def _exchange(
+        self, scope: Scope, path: str, request: Request, send: Send, classify: bool
+    ) -> None:
+        try:
+            response = await self._request(scope, path, request, send)
+        finally:
+            self._release(request)  # vLLM has the body
+        if response is None:
+            return
+        async with response:
+            streamed = response.content_type == "text/event-stream"
+            if classify and streamed:
+                await self._stream(response, send, request)
+            else:
+                await self._relay(response, send, request if classify else None)
+
+    async def _request(
+        self, scope: Scope, path: str, request: Request, send: Send
+    ) -> aiohttp.ClientResponse | None:
+        assert self._session is not None
+        query = scope["query_string"].decode("latin-1")
+        url = URL.build(path=path, query_string=query, encoded=True)  # as the client sent it
+        try:
+            async with asyncio.timeout(self.settings.response_timeout):
+                return await self._session.request(
+                    scope["method"],
+                    url,
+                    data=request.body[0] if request.body else b"",
+                    headers=self._forward_headers(scope),
+                    allow_redirects=False,
+                )
+        except TimeoutError:
+            message = f"vLLM sent no response within {self.settings.response_timeout:g} s"
+            await _respond(send, 504, error_body(504, message, "upstream_timeout"))
+        except aiohttp.ClientConnectorError as error:
+            message = f"vLLM is not reachable at {self.settings.upstream}: {error.os_error}"
+            await _respond(send, 503, error_body(503, message, "upstream_unavailable"))
+        except aiohttp.ClientError as error:
+            message = f"vLLM failed before responding: {type(error).__name__}: {error}"
+            await _respond(send, 502, error_body(502, message, "upstream_error"))
+        return None
+
+    def _forward_headers(self, scope: Scope) -> list[tuple[str, str]]:
+        named = _connection_tokens(scope["headers"])
+        headers: list[tuple[str, str]] = []
+        forwarded_for: list[str] = []
+        proto: str | None = None
+        for key, value in scope["headers"]:
+            name = key.lower()
+            if name == b"x-forwarded-for":
+                forwarded_for.append(value.decode("latin-1"))
+            elif name == b"x-forwarded-proto":
+                proto = value.decode("latin-1")
+            elif name not in NOT_FORWARDED and name not in named and not name.startswith(b"proxy-"):
+                headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        peer = (scope.get("client") or ("", 0))[0]
+        trusted = bool(peer) and self._trusts(peer)
+        if peer:
+            if forwarded_for and trusted:
+                forwarded_for.append(peer)
+            else:
+                forwarded_for = [peer]
+            headers.append(("x-forwarded-for", ", ".join(forwarded_for)))
+        headers.append(("x-forwarded-proto", proto if proto and trusted else scope["scheme"]))
+        return headers
+
+    def _trusts(self, peer: str) -> bool:
+        if not self.settings.trusted_proxies:  # the default: no address to parse
+            return False
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(address in network for network in self.settings.trusted_proxies)
+
+    async def _relay(
+        self, response: aiohttp.ClientResponse, send: Send, request: Request | None
+    ) -> None:
+        """Any body but a classified stream, as it comes; a classified 200 is kept to count."""
+        keep = request is not None and response.status == 200
+        kept: list[bytes] = []
+        size = 0
+        await _start(send, response, keep_length=True)
+
+        async def each(data: bytes) -> None:
+            nonlocal size, keep
+            if keep:
+                size += len(data)
+                if size <= self.settings.max_event_bytes and self.budget.take(len(data)):
+                    kept.append(data)
+                else:  # too big, or no room now: relayed, not classified
+                    keep = False
+                    self._forget(kept)
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        try:
+            try:
+                await _pump(response, self.settings.idle_timeout, each)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                self.metrics.truncated.inc()
+                why = _why(error)
+                raise Aborted(f"vLLM's response broke off after its headers: {why}") from None
+            await send({"type": "http.response.body", "body": b""})
+            if request is None or response.status != 200:
+                return
+            completion = Completion()
+            try:
+                if not keep:
+                    raise ValueError("not kept to classify")
+                document = json.loads(b"".join(kept))
+                if not isinstance(document, dict):
+                    raise ValueError("not an object")
+                completion.add_body(document)
+                if request.guard is not None:
+                    request.guard.add_body(document)
+                    request.guard.settle(completion)
+            except (ValueError, TypeError, AttributeError, RecursionError):
+                self.metrics.unparsed.inc()
+                return
+            del document
+            self.ledger.record(completion, request.model)
+        finally:
+            self._forget(kept)  # the budget back, whatever happened
+
+    async def _stream(self, response: aiohttp.ClientResponse, send: Send, request: Request) -> None:
+        await _start(send, response)
+        completion = Completion()
+        splitter = sse.Splitter(self.settings.max_event_bytes, self.budget.take, self.budget.give)
+        done = False
+        failure: str | None = None
+        strip = request.strip_usage
+        loop_guard = request.guard
+
+        one, pieces = self._one, splitter.pieces
+        # The read loop is written out here, not handed a callback as in _relay: one
+        # coroutine less per chunk on the hottest path.
+        guard = _IdleGuard(self.settings.idle_timeout)
+        content, clock = response.content, guard.loop.time
+        try:
+            while True:
+                guard.since = clock()
+                guard.waiting = True
+                data = await content.readany()
+                guard.waiting = False
+                if not data:
+                    break
+                if (
+                    not pieces
+                    and data.startswith(b"data: {")
+                    and data.find(b"\n") == len(data) - 2
+                    and data.endswith(b"\n\n")
+                    and b"\r" not in data
+                    and not splitter.skipping
+                ):  # vLLM's shape: one whole `data: {...}` event per read
+                    out = one(data, completion, strip, loop_guard)
+                else:
+                    out, events, after = splitter.feed(data)
+                    if events:
+                        observed, finished = self._observe(events, completion, strip, loop_guard)
+                        out += observed
+                        done = done or finished
+                    if loop_guard is None or not loop_guard.stopped:
+                        out += after
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if loop_guard is not None and loop_guard.stopped:
+                    break
+        except asyncio.CancelledError:
+            if not guard.timed_out():
+                splitter.rest()  # gives its bytes back to the budget
+                raise
+            failure = f"vLLM sent nothing for {self.settings.idle_timeout:g} s"
+        except aiohttp.ClientError as error:
+            failure = f"vLLM broke off the stream: {_why(error)}"
+        except BaseException:
+            splitter.rest()
+            raise
+        finally:
+            guard.handle.cancel()
+        if splitter.oversized:
+            self.metrics.unparsed.inc(splitter.oversized)
+        tail = splitter.rest()
+        if loop_guard is not None and loop_guard.stopped:
+            # The loop guard ends it: closing the connection makes vLLM abort the request
+            # and free its KV cache; the client gets a clean end instead of the rest.
+            response.close()
+            await send({"type": "http.response.body",
+                        "body": loop_guard.ending(include_usage=not strip)})  # fmt: skip
+            loop_guard.settle(completion)
+            self.ledger.record(completion, request.model)
+            return
+        if failure is None and not done:
+            failure = "vLLM ended the stream without [DONE]"
+        if failure is not None:
+            self.metrics.truncated.inc()
+            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                tail += b"\n\n"  # end the partial event, or the error event would join it
+            tail += _error_event(failure)
+        await send({"type": "http.response.body", "body": tail})
+        if loop_guard is not None:
+            loop_guard.settle(completion)
+        self.ledger.record(completion, request.model)
+
+    def _forget(self, kept: list[bytes]) -> None:
+        self.budget.give(sum(len(piece) for piece in kept))
+        kept.clear()
+
+    def _observe(
+        self,
+        events: bytes,
+        completion: Completion,
+        strip_usage: bool,
+        loop_guard: ResponseGuard | None = None,
+    ) -> tuple[bytes, bool]:
+        """Feed complete SSE events to the classifier; return the bytes to forward, and
+        whether `[DONE]` was among them. When the loop guard stops the stream, nothing after
+        the chunk that confirmed the loop is forwarded."""
+        if (
+            events.startswith(b"data: {")
+            and events.find(b"\n") == len(events) - 2
+            and events.endswith(b"\n\n")
+            and b"\r" not in events
+        ):  # vLLM's shape, one event per read: no splitting, no list
+            return self._one(events, completion, strip_usage, loop_guard), False
+        dropped = False
+        done = False
+        kept: list[bytes] = []
+        for raw, event in sse.split_events(events):
+            data = sse.data_of(event)
+            if data is None:
+                kept.append(raw)
+                continue
+            if data == b"[DONE]":
+                done = True
+                kept.append(raw)
+                continue
+            try:
+                chunk = _loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError("not an object")
+                completion.add_chunk(chunk)
+            except (ValueError, TypeError, AttributeError, RecursionError):
+                self.metrics.unparsed.inc()
+                kept.append(raw)
+                continue
+            if loop_guard is not None and loop_guard.add_chunk(chunk):
+                kept.append(raw)
+                return b"".join(kept), done
+            if strip_usage and not chunk.get("choices") and chunk.get("usage"):
+                dropped = True
+                continue
+            kept.append(raw)
+        return (b"".join(kept) if dropped else events), done
+
+    def _one(
+        self,
+        event: bytes,
+        completion: Completion,
+        strip_usage: bool,
+        loop_guard: ResponseGuard | None = None,
+    ) -> bytes:
+        """One `data: {...}\\n\\n` event: classify it; return it, or nothing if dropped."""
+        try:
+            chunk = _loads(event[6:])
+            if not isinstance(chunk, dict):
+                raise ValueError("not an object")
+            completion.add_chunk(chunk)
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            self.metrics.unparsed.inc()
+            return event
+        if loop_guard is not None and loop_guard.add_chunk(chunk):
+            return event
+        if strip_usage and not chunk.get("choices") and chunk.get("usage"):
+            return b""
+        return event
+
+
+# The scanner json.loads ends in (C, when _json is built), made for json's default decoder.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _loads(data: bytes) -> Any:
+    """`json.loads(data)` for one event's data, without its per-call steps in Python
+    (encoding detection, two whitespace regexes, three frames): an object in UTF-8, which is
+    what vLLM sends, is decoded as json.loads decodes it and scanned by the same scanner.
+    Anything else (another encoding, leading whitespace) goes through json.loads itself, so
+    the result and the errors (ValueError, RecursionError) are json.loads's."""
+    if data[:1] != b"{" or data[1:2] == b"\x00":  # json.detect_encoding's UTF-16/32 cases
+        return json.loads(data)
+    text = data.decode("utf-8", "surrogatepass")
+    try:
+        value, end = _SCAN(text, 0)
+    except StopIteration as stop:
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+    if end != len(text):
+        rest = text[end:].lstrip(" \t\n\r")
+        if rest:
+            raise json.JSONDecodeError("Extra data", text, len(text) - len(rest))
+    return value
+
+
+def inspect(
+    request: Request, max_values: int, loops: LoopGuard | None = None, path: str = ""
+) -> None:
+    """Check a classified request the way vLLM's protocol would, keep the three fields the
+    pass-through needs, and add `stream_options.include_usage` to a stream without it. With
+    the runaway guard on: its vLLM-side defaults are set on the request (which is then
+    re-encoded) and its watch on the response is made."""
+    body = request.body[0] if request.body else b""
+    values = body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{")
+    if values > max_values:
+        raise Refused(413, f"request body has too many JSON values ({values} > {max_values})")
+    try:
+        document = json.loads(body)
+    except RecursionError:
+        raise Refused(400, "malformed JSON body: nested too deeply") from None
+    except ValueError as error:
+        raise Refused(400, f"malformed JSON body: {error}") from None
+    if not isinstance(document, dict):
+        raise Refused(400, "malformed JSON body: the body must be a JSON object")
+    stream = document.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise Refused(400, "'stream' must be a boolean")
+    options = document.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise Refused(400, "'stream_options' must be an object")
+    usage = (options or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise Refused(400, "'stream_options.include_usage' must be a boolean")
+    model = document.get("model")
+    if model is not None and not isinstance(model, str):
+        raise Refused(400, "'model' must be a string")
+    if loops is not None:
+        request.guard = loops.watch(document, path)
+        if loops.prepare(document):
+            body = json.dumps(document).encode()
+    del document
+    request.stream = bool(stream)
+    request.model = model
+    if request.stream and not usage:
+        body = _with_usage(body, options)
+        request.strip_usage = True
+    request.body[:] = [body]
+
+
+def _with_usage(body: bytes, options: dict[str, Any] | None) -> bytes:
+    """The body with `"stream_options": {..., "include_usage": true}` as its last member.
+
+    JSON parsers keep the last of duplicate keys (Python's, so vLLM's), so appending keeps
+    every byte the client sent and wins over its own `stream_options`."""
+    member = json.dumps({**(options or {}), "include_usage": True}, separators=(",", ":"))
+    end = len(body.rstrip(b" \t\r\n"))
+    if end == 0 or body[end - 1 : end] != b"}":  # another encoding (UTF-16/32): rebuild
+        document = json.loads(body)
+        document["stream_options"] = json.loads(member)
+        return json.dumps(document).encode()
+    inner = body[: end - 1].rstrip(b" \t\r\n")
+    comma = b"" if inner.endswith(b"{") else b","
+    return inner + comma + b'"stream_options":' + member.encode() + body[end - 1 :]
+
+
+async def _pump(
+    response: aiohttp.ClientResponse, idle: float, each: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Hand each read of the body to `each`; TimeoutError when vLLM is silent for `idle` s.
+    The clock runs only while waiting on vLLM, not while the client is being written to."""
+    guard = _IdleGuard(idle)
+    content = response.content
+    clock = guard.loop.time
+    try:
+        while True:
+            guard.since = clock()
+            guard.waiting = True
+            data = await content.readany()
+            guard.waiting = False
+            if not data:
+                return
+            await each(data)
+    except asyncio.CancelledError:
+        if guard.timed_out():
+            raise TimeoutError from None
+        raise
+    finally:
+        guard.handle.cancel()
+
+
+class _IdleGuard:
+    """One timer per response body, not one per read: it wakes every `idle` seconds and
+    cancels the reading task only if the current wait on vLLM has lasted that long."""
+
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
+        self.loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.since = self.loop.time()
+        self.waiting = False
+        self.fired = False
+        self.handle = self.loop.call_at(self.since + idle, self._check)
+
+    def timed_out(self) -> bool:
+        """In `except CancelledError`: True when this guard, and nothing else, cancelled."""
+        return self.fired and self.task.uncancel() == 0
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.waiting and now - self.since >= self.idle:
+            self.fired = True
+            self.task.cancel()
+            return
+        self.handle = self.loop.call_at((self.since if self.waiting else now) + self.idle,
+                                        self._check)  # fmt: skip
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _connection_tokens(headers: Any) -> frozenset[bytes]:
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return frozenset(tokens)
+
+
+def _error_event(message: str) -> bytes:
+    return b"data: " + error_body(502, message, "upstream_error") + b"\n\n"
+
+
+async def _cancel_on_disconnect(exchange: Awaitable[None], receive: Receive) -> None:
+    """Run the exchange; if the client goes away first, cancel it (closing upstream)."""
+    work = asyncio.ensure_future(exchange)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watcher):
+            task.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+    if not work.cancelled() and work.exception() is not None:
+        raise work.exception()  # type: ignore[misc]
+
+
+async def _start(send: Send, response: aiohttp.ClientResponse, keep_length: bool = False) -> None:
+    """Send vLLM's status and headers, less hop-by-hop ones. Its Content-Length is kept for
+    bodies relayed byte for byte (a short body then cannot pass as complete)."""
+    named = _connection_tokens(response.raw_headers)
+    headers = [
+        (k.lower(), v)
+        for k, v in response.raw_headers
+        if (k.lower() not in NOT_RETURNED or (keep_length and k.lower() == b"content-length"))
+        and k.lower() not in named
+    ]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+
+
+async def _respond(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 503:
+        headers.append((b"retry-after", b"1"))
+    if status in (408, 413, 431):  # the rest of the request is not read: end the connection
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Http10Sender:
+    """HTTP/1.0 has no chunked encoding: a response without a length is collected (up to a
+    cap, and within the in-flight byte budget) and sent with one. uvicorn's httptools
+    protocol would send it chunked."""
+
+    def __init__(self, send: Send, limit: int, budget: ByteBudget) -> None:
+        self.send = send
+        self.limit = limit
+        self.budget = budget
+        self.start: Message | None = None
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.direct = False
+        self.finished = False
+
+    def release(self) -> None:
+        self.budget.give(self.size)
+        self.size = 0
+        self.parts = []
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            if any(name == b"content-length" for name, _ in message.get("headers", [])):
+                self.direct = True
+                await self.send(message)
+            else:
+                self.start = message
+            return
+        if self.direct:
+            await self.send(message)
+            return
+        body = message.get("body", b"")
+        if self.size + len(body) > self.limit or not self.budget.take(len(body)):
+            if self.start is not None and not self.finished:
+                self.finished = True
+                status = 503
+                error = error_body(status, "the response is too large to send to an HTTP/1.0 "
+                                   "client now; use HTTP/1.1", "server_busy")  # fmt: skip
+                await _respond(self.send, status, error)
+            raise Aborted("an HTTP/1.0 response could not be collected")
+        self.size += len(body)
+        self.parts.append(body)
+        if not message.get("more_body"):
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if self.start is None or self.finished:
+            return
+        self.finished = True
+        body = b"".join(self.parts)
+        headers = [*self.start.get("headers", []), (b"content-length", str(len(body)).encode())]
+        await self.send({**self.start, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+
+
+class QuietAborts(logging.Filter):
+    """uvicorn logs an exception that ends a started response with a traceback; an aborted
+    relay is an expected outcome, logged here as one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, Aborted):
+            log.warning("aborted a response: %s", error)
+            return False
+        return True
