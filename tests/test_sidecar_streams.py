@@ -123,3 +123,20 @@ def test_a_negative_capture_memory_is_read_as_vllm_logged_it() -> None:
     (rank,) = vllm_log.parse(line)
     assert rank["capture_seconds"] == 10.0
     assert rank["capture_bytes"] == int(-1.40 * (1 << 30))
+
+
+def test_interleaved_worker_lines_keep_each_rank_s_capture() -> None:
+    """Two workers writing at once interleave: TP0's prefix, TP1's whole line, then TP0's
+    message alone (as vLLM 0.29.0 logged it on two H200s, tests/e2e/results/h200x2/
+    0.29.0-b200-tp1-pcp4-dcp4-patched/vllm.log). Each rank keeps its own figures."""
+    text = (
+        "(Worker_TP0_DCP0 pid=2684) (Worker_TP1_DCP1 pid=2685) INFO 11-30 16:13:30 "
+        "[model_runner.py:960] Graph capturing finished in 8 secs, took -5.29 GiB\n"
+        "INFO 11-30 16:13:30 [model_runner.py:960] Graph capturing finished in 7 secs, "
+        "took 0.13 GiB\n"
+    )
+    figures = {rank["rank"]: rank for rank in vllm_log.parse(text)}
+    assert set(figures) == {0, 1}
+    assert figures[1]["capture_bytes"] == int(-5.29 * (1 << 30))
+    assert figures[0]["capture_bytes"] == int(0.13 * (1 << 30))
+    assert (figures[0]["capture_seconds"], figures[1]["capture_seconds"]) == (7.0, 8.0)

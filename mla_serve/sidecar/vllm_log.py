@@ -4,7 +4,12 @@ vLLM logs the configured CUDA graph mode when the engine starts, each downgrade
 the backends force ("…; setting cudagraph_mode=PIECEWISE", "Overriding to …"),
 and "Graph capturing finished in N secs, took X GiB" per worker. The last word
 on the mode wins. Rank comes from the worker prefix vLLM puts on each line
-("(Worker_TP1 pid=…)"); lines without one count for rank 0.
+("(Worker_TP1 pid=…)"); lines without one count for rank 0. Two workers writing at once
+interleave: a worker's prefix, then another worker's whole line, then the first worker's
+message on a line of its own ("(Worker_TP0 pid=1) (Worker_TP1 pid=2) INFO … took X GiB"
+followed by "INFO … took Y GiB"). A prefix directly followed by another is such an orphan:
+the message after the last prefix is that worker's, and the next capture line without a
+prefix belongs to the oldest orphan.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ _OVERRIDE = re.compile(r"Overriding to (?:CUDAGraphMode\.)?([A-Z_]+)")
 _EAGER = "Cudagraph is disabled under eager mode"
 _CAPTURED = re.compile(r"Graph capturing finished in ([0-9.]+) secs, took (-?[0-9.]+) GiB")
 _WORKER = re.compile(r"\(\w*?Worker\w*?_(?:TP|PP|DP|EP|PCP|DCP)?(\d+)")
+# A worker prefix whose message was cut off by another worker's prefix.
+_ORPHAN = re.compile(
+    r"\(\w*?Worker\w*?_(?:TP|PP|DP|EP|PCP|DCP)?(\d+)\w* pid=\d+\) (?=\(\w*?Worker)"
+)
+_MAX_ORPHANS = 64
 
 
 def parse(text: str) -> list[dict[str, Any]]:
@@ -41,8 +51,11 @@ class Parser:
         self.mode: str | None = None
         self.sizes: list[int] = []
         self.ranks: dict[int, dict[str, Any]] = {}
+        self.orphans: list[int] = []  # ranks whose message is still to come, oldest first
 
     def feed(self, line: str) -> None:
+        if ") (" in line and (cut := _ORPHAN.findall(line)):
+            self.orphans = [*self.orphans, *(int(rank) for rank in cut)][-_MAX_ORPHANS:]
         if "udagraph" not in line and "Overriding" not in line and "Graph capturing" not in line:
             return  # most lines: one scan, no regular expression
         if (found := _CONFIG_MODE.search(line)) is not None:
@@ -55,8 +68,10 @@ class Parser:
         if _EAGER in line:
             self.mode = "NONE"
         if "Graph capturing" in line and (found := _CAPTURED.search(line)) is not None:
-            worker = _WORKER.search(line)
-            rank = int(worker.group(1)) if worker else 0
+            owners = _WORKER.findall(line[: found.start()])
+            # the prefix right before the message, else the oldest orphan's
+            orphan = self.orphans.pop(0) if not owners and self.orphans else 0
+            rank = int(owners[-1]) if owners else orphan
             self.ranks[rank] = {
                 "capture_seconds": float(found.group(1)),
                 "capture_bytes": int(float(found.group(2)) * (1 << 30)),
