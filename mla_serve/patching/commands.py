@@ -106,6 +106,7 @@ def _wheel(args: argparse.Namespace) -> int:
     changed = ", ".join(built.changed) or "no file"
     print(f"changed {changed}; added {dist.MANIFEST_MEMBER}")
     print(f"RECORD matches all {built.checked} files; version {built.version}")
+    print(f"sha256: {built.sha256}")
     print(f"patched wheel: {built.path}")
     return 0
 

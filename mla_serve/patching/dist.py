@@ -121,6 +121,7 @@ class Built:
     states: list[engine.FixState]
     changed: list[str]  # tree files the series changed in the wheel (manifest not counted)
     checked: int  # members whose bytes `check` compared with RECORD
+    sha256: str  # of the wheel file (for pip's --require-hashes)
 
 
 # --- building -----------------------------------------------------------------------
@@ -141,11 +142,14 @@ def build(
     name = WheelName.parse(source.name)
     if name.distribution != "vllm":
         raise DistError(f"{source.name} is not a vLLM wheel")
+    local_version(name.version, "0" * 64)  # refuses an mla-serve build before any work
     try:
         with zipfile.ZipFile(source) as archive:
             layout = _Layout.read(archive, name)
     except (OSError, zipfile.BadZipFile) as error:
-        raise DistError(f"cannot read {source}: {error}") from None
+        raise DistError(f"cannot read {source}: {_reason(error)}") from None
+    if MANIFEST_MEMBER in layout.names:
+        raise DistError(f"{source.name} already contains {MANIFEST_MEMBER}")
     with tempfile.TemporaryDirectory(prefix="mla-serve-wheel.") as scratch:
         root = Path(scratch) / "tree"
         wheel.unpack(source, root, python_only=True, progress=progress)
@@ -157,27 +161,35 @@ def build(
         states = engine.check(plan, catalog)
         document = manifest.build(plan, states)
         changes = {path: _encoded(text) for path, text in plan.changes.items()}
-    if MANIFEST_MEMBER in layout.names:
-        raise DistError(f"{source.name} already contains {MANIFEST_MEMBER}")
     version = local_version(name.version, plan.series.digest)
     changes[MANIFEST_MEMBER] = manifest.render(document).encode()
     target = out_dir / name.filename(version)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=out_dir)
-    os.close(handle)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=out_dir)
+        os.close(handle)
+    except OSError as error:
+        raise DistError(f"cannot write into {out_dir}: {_reason(error)}") from None
     partial = Path(temporary)
     try:
-        rewrite(source, partial, name, version, changes, layout)
+        digest = rewrite(source, partial, name, version, changes, layout)
         problems, checked = check(partial, name=target.name, progress=progress)
         if problems:
             raise DistError(f"the written wheel fails its own check: {problems[0]}")
         partial.chmod(0o644)
         partial.replace(target)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise DistError(f"cannot write {target}: {_reason(error)}") from None
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     changed = sorted(p for p in changes if p != MANIFEST_MEMBER)
-    return Built(target, version, release, plan.series.digest, states, changed, checked)
+    return Built(target, version, release, plan.series.digest, states, changed, checked, digest)
+
+
+def _reason(error: BaseException) -> str:
+    return str(getattr(error, "strerror", None) or error)
 
 
 def _encoded(text: str | None) -> bytes | None:
@@ -232,8 +244,9 @@ def rewrite(
     version: str,
     changes: dict[str, bytes | None],
     layout: _Layout | None = None,
-) -> None:
-    """Write `source` as the wheel of `version` into `dest`, with `changes` applied.
+) -> str:
+    """Write `source` as the wheel of `version` into `dest`, with `changes` applied; the
+    sha256 of what was written.
 
     `changes` maps member paths to their new bytes (None: remove the member); paths the
     source lacks are added before the `.dist-info` folder, in name order. The RECORD is
@@ -241,9 +254,7 @@ def rewrite(
     """
     with zipfile.ZipFile(source) as archive:
         layout = layout or _Layout.read(archive, name)
-    renames = {
-        name.folder(kind): name.folder(kind, version) for kind in ("dist-info", "data")
-    }
+    renames = {name.folder(kind): name.folder(kind, version) for kind in ("dist-info", "data")}
     info_dir = renames[name.folder("dist-info")]
 
     def renamed(path: str) -> str:
@@ -280,6 +291,7 @@ def rewrite(
         record = f"{info_dir}/RECORD"
         rows.append((record, "", ""))
         out.add(record, _record_bytes(rows), record_member.date_time, record_member.external_attr)
+    return out.sha256
 
 
 def _add_new(
@@ -339,6 +351,15 @@ class _ZipWriter:
     def __init__(self, path: Path) -> None:
         self._file: IO[bytes] = path.open("wb")
         self._central: list[bytes] = []
+        self._digest = hashlib.sha256()  # of the whole archive, as it is written
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._digest.update(data)
 
     def __enter__(self) -> _ZipWriter:
         return self
@@ -377,12 +398,10 @@ class _ZipWriter:
             block = source.read(min(left, CHUNK))
             if not block:
                 raise DistError(f"{info.filename}: the archive ends inside its data")
-            self._file.write(block)
+            self._write(block)
             left -= len(block)
 
-    def add(
-        self, name: str, data: bytes, date_time: tuple[int, ...], external_attr: int
-    ) -> None:
+    def add(self, name: str, data: bytes, date_time: tuple[int, ...], external_attr: int) -> None:
         """A member stored uncompressed, made on Unix (so its mode is kept)."""
         self._header(
             _Entry(
@@ -399,7 +418,7 @@ class _ZipWriter:
                 external_attr=external_attr,
             )
         )
-        self._file.write(data)
+        self._write(data)
 
     def _header(self, entry: _Entry) -> None:
         offset = self._file.tell()
@@ -419,24 +438,32 @@ class _ZipWriter:
             flags, entry.method, dos_time, dos_date, entry.crc, entry.compressed, entry.size,
             len(encoded), 0,
         )  # fmt: skip
-        self._file.write(_LOCAL.pack(_LOCAL_SIG, entry.needed, 0, *common) + encoded)
+        self._write(_LOCAL.pack(_LOCAL_SIG, entry.needed, 0, *common) + encoded)
         self._central.append(
             _CENTRAL.pack(
-                _CENTRAL_SIG, *entry.made_by, entry.needed, 0, *common, 0, 0,
-                entry.internal_attr, entry.external_attr, offset,
-            )  # fmt: skip
+                _CENTRAL_SIG,
+                *entry.made_by,
+                entry.needed,
+                0,
+                *common,
+                0,
+                0,
+                entry.internal_attr,
+                entry.external_attr,
+                offset,
+            )
             + encoded
         )
 
     def _finish(self) -> None:
         start = self._file.tell()
         for entry in self._central:
-            self._file.write(entry)
+            self._write(entry)
         size = self._file.tell() - start
         count = len(self._central)
         if count > 0xFFFF or start + size >= _ZIP32_MAX:
             raise DistError("the patched wheel would need ZIP64, which this writer does not write")
-        self._file.write(_END.pack(_END_SIG, 0, 0, count, count, size, start, 0))
+        self._write(_END.pack(_END_SIG, 0, 0, count, count, size, start, 0))
         self._file.flush()
         os.fsync(self._file.fileno())
 
