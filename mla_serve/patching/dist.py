@@ -264,11 +264,10 @@ def rewrite(
         head, sep, rest = path.partition("/")
         return renames.get(head, head) + sep + rest
 
+    old_dir = name.folder("dist-info")
     changes = dict(changes)
-    changes[f"{name.folder('dist-info')}/METADATA"] = _with_version(
-        layout.metadata, name.version, version
-    )
-    record_member = next(i for i in layout.infos if i.filename.endswith(".dist-info/RECORD"))
+    changes[f"{old_dir}/METADATA"] = _with_version(layout.metadata, name.version, version)
+    record_member = next(i for i in layout.infos if i.filename == f"{old_dir}/RECORD")
     added = sorted(p for p in changes if p not in layout.names and changes[p] is not None)
     rows: list[tuple[str, str, str]] = []
     with source.open("rb") as raw, _ZipWriter(dest) as out:
@@ -276,7 +275,7 @@ def rewrite(
         for info in layout.infos:
             if info is record_member:
                 continue
-            if not placed and info.filename.startswith(name.folder("dist-info") + "/"):
+            if not placed and info.filename.startswith(old_dir + "/"):
                 placed = True
                 rows += _add_new(out, added, changes, record_member)
             if info.filename in changes:
