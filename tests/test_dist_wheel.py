@@ -325,3 +325,47 @@ def test_check_wheel_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli.main(["patches", "check-wheel", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("BAD cannot read vllm-0.33.0-cp38-abi3-linux_x86_64.whl as a ZIP")
+
+
+def test_rewrite_adds_removes_and_renames_data_and_non_ascii_members(tmp_path: Path) -> None:
+    """The writer's paths the release series do not take (no series creates or deletes a
+    file, vLLM's wheels have no .data folder and ASCII names only), on a small wheel."""
+    files = {
+        "demo/__init__.py": b"",
+        "demo/gone.py": b"x = 1\n",
+        "demo/caf\u00e9.txt": "caf\u00e9\n".encode(),
+        "demo-1.0.data/scripts/demo": b"#!python\n",
+        "demo-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n"
+        b"\nVersion: 1.0 (body)\n",
+        "demo-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    rows = [(n, dist.record_hash(d), str(len(d))) for n, d in files.items()]
+    rows.append(("demo-1.0.dist-info/RECORD", "", ""))
+    source = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(source, "w", zipfile.ZIP_DEFLATED) as archive:
+        for member, data in files.items():
+            archive.writestr(member, data)
+        archive.writestr("demo-1.0.dist-info/RECORD", dist._record_bytes(rows))
+    name = dist.WheelName.parse(source.name)
+    dest = tmp_path / name.filename("1.0+local")
+    changes = {"demo/gone.py": None, "demo/new.py": b"y = 2\n", "demo/__init__.py": b"z = 3\n"}
+    written = dist.rewrite(source, dest, name, "1.0+local", changes)
+    assert written == hashlib.sha256(dest.read_bytes()).hexdigest()
+    assert dist.check(dest) == ([], 7)
+    with zipfile.ZipFile(dest) as archive:
+        assert archive.testzip() is None
+        assert archive.namelist() == [
+            "demo/__init__.py",
+            "demo/caf\u00e9.txt",
+            "demo-1.0+local.data/scripts/demo",
+            "demo/new.py",
+            "demo-1.0+local.dist-info/METADATA",
+            "demo-1.0+local.dist-info/WHEEL",
+            "demo-1.0+local.dist-info/RECORD",
+        ]
+        assert archive.read("demo/__init__.py") == b"z = 3\n"
+        assert archive.getinfo("demo/caf\u00e9.txt").flag_bits & 0x800
+        metadata = archive.read("demo-1.0+local.dist-info/METADATA")
+        assert metadata.endswith(b"Version: 1.0+local\n\nVersion: 1.0 (body)\n")  # body kept
+    assert dist.rewrite(source, tmp_path / "again.whl", name, "1.0+local", changes) == written
