@@ -556,7 +556,7 @@ def _check(
             problems.append(f"{info.filename}: {length} bytes, RECORD says {size or 'nothing'}")
     for missing in sorted(set(record) - set(names)):
         problems.append(f"{missing}: in RECORD but not in the wheel")
-    return problems, len(infos)
+    return problems, len(listed)
 
 
 def _hash_members(
