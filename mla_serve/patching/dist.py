@@ -178,7 +178,8 @@ def build(
         digest = rewrite(source, partial, name, version, changes, layout)
         problems, checked = check(partial, name=target.name, progress=progress)
         if problems:
-            raise DistError(f"the written wheel fails its own check: {problems[0]}")
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise DistError(f"the written wheel fails its own check: {problems[0]}{more}")
         partial.chmod(0o644)
         partial.replace(target)
     except OSError as error:
