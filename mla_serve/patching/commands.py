@@ -1,4 +1,4 @@
-"""`mla-serve patches …`: list, status, apply, verify, repair, fetch."""
+"""`mla-serve patches …`: list, status, apply, verify, repair, fetch, wheel, check-wheel."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from mla_serve.patching import catalog as catalog_
-from mla_serve.patching import diff, engine, journal, manifest, report, tree, wheel
+from mla_serve.patching import diff, dist, engine, journal, manifest, report, tree, wheel
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -54,13 +54,72 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         "--cache",
         type=Path,
         metavar="DIR",
-        default=Path(
-            os.environ.get("MLA_SERVE_WHEEL_CACHE", "~/.cache/mla-serve/wheels")
-        ).expanduser(),
+        default=_wheel_cache(),
         help="wheel cache (default: $MLA_SERVE_WHEEL_CACHE or ~/.cache/mla-serve/wheels)",
     )
     fetch.add_argument("--python-only", action="store_true", help="skip compiled extensions")
     fetch.set_defaults(run=_fetch)
+    _register_wheel(actions)
+
+
+def _wheel_cache() -> Path:
+    return Path(os.environ.get("MLA_SERVE_WHEEL_CACHE", "~/.cache/mla-serve/wheels")).expanduser()
+
+
+def _register_wheel(actions: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    built = actions.add_parser(
+        "wheel", help="write the release's vLLM wheel with the series applied (pip-installable)"
+    )
+    source = built.add_mutually_exclusive_group(required=True)
+    source.add_argument("--vllm-version", metavar="X.Y.Z", help="fetch this release's wheel")
+    source.add_argument("--wheel", type=Path, metavar="FILE", help="a vLLM wheel file to patch")
+    built.add_argument("--arch", choices=wheel.ARCHES, default="x86_64", help="with --vllm-version")
+    built.add_argument(
+        "--cache",
+        type=Path,
+        metavar="DIR",
+        default=_wheel_cache(),
+        help="wheel cache (default: $MLA_SERVE_WHEEL_CACHE or ~/.cache/mla-serve/wheels)",
+    )
+    built.add_argument(
+        "--out", type=Path, default=Path("dist"), metavar="DIR", help="default: ./dist"
+    )
+    built.set_defaults(run=_wheel)
+    checking = actions.add_parser(
+        "check-wheel", help="compare every file of a wheel with its RECORD; non-zero on mismatch"
+    )
+    checking.add_argument("wheel", type=Path, metavar="FILE")
+    checking.set_defaults(run=_check_wheel)
+
+
+def _wheel(args: argparse.Namespace) -> int:
+    catalog = catalog_.load()
+    if args.wheel is not None:
+        source = args.wheel
+    else:
+        catalog.release_of(args.vllm_version)  # refuse unsupported releases before downloading
+        source = wheel.fetch(args.vllm_version, args.cache, arch=args.arch)
+    print(f"source: {source}")
+    built = dist.build(source, args.out, catalog, progress=print)
+    print(f"series vllm-{built.release}: digest {built.digest[:12]}")
+    _print_states(built.states)
+    changed = ", ".join(built.changed) or "no file"
+    print(f"changed {changed}; added {dist.MANIFEST_MEMBER}")
+    print(f"RECORD matches all {built.checked} files; version {built.version}")
+    print(f"sha256: {built.sha256}")
+    print(f"patched wheel: {built.path}")
+    return 0
+
+
+def _check_wheel(args: argparse.Namespace) -> int:
+    problems, count = dist.check(args.wheel)
+    if problems:
+        for problem in problems:
+            print(f"BAD {problem}", file=sys.stderr)
+        print(f"{args.wheel} does not match its RECORD", file=sys.stderr)
+        return 1
+    print(f"{args.wheel}: all {count} files match RECORD")
+    return 0
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -211,4 +270,5 @@ ERRORS = (
     journal.JournalError,
     journal.WriteFailed,  # restoring a file while repairing: names the file and the reason
     wheel.WheelError,
+    dist.DistError,
 )
