@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import sys
 from typing import Any
@@ -15,13 +17,16 @@ from helm_support import (
     REPO,
     case_values,
     chart,
+    documents,
     load_values,
     merge,
     render,
     run,
+    vllm_container,
 )
 
 GB300 = load_values([PROFILES_DIR / "gb300-tp4.yaml"])
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 # (values on top of the gb300-tp4 profile, lines the error must contain)
 SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
@@ -232,3 +237,59 @@ def test_schema_accepts_valid_layouts(override: dict[str, Any], reason: str) -> 
 def test_generated_files_are_current(tool: str) -> None:
     result = run([sys.executable, str(REPO / "helm" / "tools" / tool), "--check"])
     assert result.returncode == 0, result.stderr
+
+
+def _example(node: dict[str, Any], default: Any) -> list[Any]:
+    """Values other than the default that a typed setting renders (a flag) with."""
+    if "$ref" in node:
+        node = {**SCHEMA["definitions"][node["$ref"].rsplit("/", 1)[1]], **node}
+    kinds = node.get("type", [])
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "enum" in node:
+        return [value for value in node["enum"] if value not in ("", default)][:1]
+    if "boolean" in kinds:
+        return [True, False]
+    if "integer" in kinds:
+        return [64]
+    if "string" in kinds and not default:
+        return ["x" if re.fullmatch(node.get("pattern", ".*"), "x") else "X"]
+    return []
+
+
+def _vllm_flags(rendered: dict[str, str]) -> set[str]:
+    flags = set()
+    for doc in documents(rendered):
+        if doc["kind"] == "Deployment":
+            pods = [doc["spec"]["template"]]
+        elif doc["kind"] == "LeaderWorkerSet":
+            lwt = doc["spec"]["leaderWorkerTemplate"]
+            pods = [lwt["leaderTemplate"], lwt["workerTemplate"]]
+        else:
+            continue
+        for pod in pods:
+            args = vllm_container(pod["spec"])["args"]
+            flags |= {arg.split("=", 1)[0] for arg in args if arg.startswith("-")}
+    return flags
+
+
+def test_extra_args_cannot_repeat_a_flag_a_value_sets(chart_without_schema: helm.Chart) -> None:
+    """Every flag a typed value renders (each model.* and vllm.* setting tried in turn, and a
+    multi-node layout) is refused in vllm.extraArgs: a new typed flag that is not listed in
+    mla-serve.ownedFlags fails here."""
+    flags = _vllm_flags(render(case_values("multinode-nvl72")))
+    for section in ("model", "vllm"):
+        for key, node in SCHEMA["properties"][section]["properties"].items():
+            for value in _example(node, node.get("default")):
+                values = merge(GB300, {section: {key: value}})
+                rendered = chart_without_schema.render(values, name="mla", namespace="serving")
+                flags |= _vllm_flags(rendered)
+    assert {"--max-cudagraph-capture-size", "--revision", "--enforce-eager"} <= flags
+    unowned = []
+    for flag in sorted(flags):
+        values = merge(GB300, {"vllm": {"extraArgs": [flag]}})
+        try:
+            render(values)
+            unowned.append(flag)
+        except helm.HelmRenderError as error:
+            assert f"vllm.extraArgs: {flag} is set by " in str(error), str(error)
+    assert unowned == []

@@ -110,6 +110,7 @@ def test_engine_arguments_match_the_values(label: str, probe: dict[str, Any]) ->
     assert got["max_model_len"] == v.get("maxModelLen")  # Helm drops null values
     if v.get("maxNumBatchedTokens"):
         assert got["max_num_batched_tokens"] == v["maxNumBatchedTokens"]
+    assert got["max_cudagraph_capture_size"] == v.get("maxCudagraphCaptureSize")
     assert got["attention_backend"] == (v["attentionBackend"] or None)
     assert got["cudagraph_mode"] == v["cudagraphMode"]
     assert (got["reasoning_parser"] or "") == v["reasoningParser"]

@@ -154,6 +154,9 @@ Flags that only multi-node pods need are added by the pod template.
 {{- with $v.maxNumSeqs }}
 - --max-num-seqs={{ int . }}
 {{- end }}
+{{- with $v.maxCudagraphCaptureSize }}
+- --max-cudagraph-capture-size={{ int . }}
+{{- end }}
 {{- with $v.kvCacheDtype }}
 - --kv-cache-dtype={{ . }}
 {{- end }}
@@ -219,9 +222,13 @@ repeat them. Add a flag here when mla-serve.vllmArgs above gains one.
 "--host": the chart
 "--port": vllm.port
 "--served-model-name": model.servedModelName
+"--revision": model.revision
+"--trust-remote-code": model.trustRemoteCode
 "--gpu-memory-utilization": vllm.gpuMemoryUtilization
 "--max-model-len": vllm.maxModelLen
 "--max-num-batched-tokens": vllm.maxNumBatchedTokens
+"--max-num-seqs": vllm.maxNumSeqs
+"--max-cudagraph-capture-size": vllm.maxCudagraphCaptureSize
 "--kv-cache-dtype": vllm.kvCacheDtype
 "--attention-backend": vllm.attentionBackend
 "--enforce-eager": vllm.enforceEager
@@ -229,6 +236,14 @@ repeat them. Add a flag here when mla-serve.vllmArgs above gains one.
 "--compilation-config": vllm.cudagraphMode
 "-cc.cudagraph_mode": vllm.cudagraphMode
 "--compilation-config.cudagraph_mode": vllm.cudagraphMode
+"--enable-prefix-caching": vllm.enablePrefixCaching
+"--no-enable-prefix-caching": vllm.enablePrefixCaching
+"--reasoning-parser": vllm.reasoningParser
+"--tool-call-parser": vllm.toolCallParser
+"--enable-auto-tool-choice": vllm.toolCallParser
+"--dtype": vllm.dtype
+"--quantization": vllm.quantization
+"--disable-access-log-for-endpoints": vllm.disableAccessLogForEndpoints
 {{- end -}}
 
 {{/* sidecar.loopGuard.modelActions as the sidecar's --loop-model-actions: MODEL=ACTION,… */}}
