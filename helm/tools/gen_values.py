@@ -77,7 +77,7 @@ KEYWORDS = frozenset(
     }
 )
 # Keywords that already say what a value is, so no type is inferred beside them.
-TYPED = frozenset({"type", "$ref", "anyOf", "oneOf", "allOf", "const"})
+TYPED = frozenset({"type", "$ref", "const"})
 
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][A-Za-z0-9_-]*):(?:\s|$)")
 COMMENT_LINE = re.compile(r"^(?P<indent> *)#(?P<text>.*)$")
@@ -272,7 +272,7 @@ def key_schema(key: Key) -> tuple[Schema, bool]:
     out["description"] = key.description
     if not key.walked:
         out["default"] = key.value
-    return out, bool(required)
+    return out, required is True
 
 
 def schema(root: Schema, keys: list[Key]) -> Schema:

@@ -142,3 +142,24 @@ def test_readme_needs_its_markers(chart: Path) -> None:
     code, _, err = generate(chart)
     assert code == 2
     assert "README.md: needs the lines" in err and "<!-- end: values -->" in err
+
+
+def test_required_lists_and_combinators(chart: Path) -> None:
+    """`required: [..]` is the map's own list (the map itself stays optional); anyOf and
+    friends constrain the inferred type rather than replace it."""
+    add_to_values(
+        chart,
+        "  maxNumSeqs: null\n",
+        "  # @schema\n  # required: [mode]\n  # properties: {mode: {enum: [a, b]}}\n  # @schema\n"
+        "  # -- A map with a required key.\n  picky:\n    mode: a\n"
+        "  # @schema\n  # anyOf: [{maxItems: 0}, {contains: {const: x}}]\n  # @schema\n"
+        "  # -- A list.\n  things: []\n",
+    )
+    assert generate(chart)[0] == 0
+    vllm = json.loads((chart / "values.schema.json").read_text())["properties"]["vllm"]
+    assert "picky" not in vllm.get("required", [])
+    assert vllm["properties"]["picky"]["required"] == ["mode"]
+    assert vllm["properties"]["things"]["type"] == "array"
+    loaded = helm.Chart.load(str(chart))
+    with pytest.raises(helm.HelmValuesError, match="at '/vllm/things'"):
+        loaded.validate_schema({"vllm": {"things": "x"}})
