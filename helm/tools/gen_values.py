@@ -103,7 +103,7 @@ class Key:
 class Comments:
     """The comment lines directly above a key (a blank line ends a block)."""
 
-    lines: list[tuple[int, str]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
 
     def parse(self, where: str) -> tuple[Schema | None, str, str | None]:
         """(annotation, description, @default text) of the block."""
@@ -112,7 +112,7 @@ class Comments:
         inside = False
         description: list[str] | None = None
         default_text = None
-        for _, text in self.lines:
+        for text in self.lines:
             stripped = text.strip()
             if stripped == "@schema":
                 inside = not inside
@@ -179,7 +179,7 @@ def parse(text: str, source: str = "values.yaml") -> tuple[Schema, list[Key]]:
             if root_lines is not None:
                 root_lines.append(body[1:] if body.startswith(" ") else body)
             elif skip_below is None or len(comment["indent"]) <= skip_below:
-                comments.lines.append((number, body))
+                comments.lines.append(body)
             continue
         if not line.strip():
             comments = Comments()
