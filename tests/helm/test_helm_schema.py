@@ -58,10 +58,6 @@ SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
         {"vllm": {"cudagraphMode": "piecewise"}},
         ["at '/vllm/cudagraphMode': value must be one of 'NONE', 'PIECEWISE'"],
     ),
-    "eager with a CUDA graph mode": (
-        {"vllm": {"enforceEager": True}},
-        ["at '/vllm/cudagraphMode': value must be 'NONE'"],
-    ),
     "plugins without mla_serve": (
         {"vllm": {"plugins": ["other_plugin"]}},
         ["at '/vllm/plugins/0': value must be 'mla_serve'"],
@@ -82,6 +78,11 @@ SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
 
 # Rules across values: templates/_validate.tpl's `fail`, the one place they are written.
 TEMPLATE_REJECTS: dict[str, tuple[dict[str, Any], str]] = {
+    "eager with a CUDA graph mode": (
+        {"vllm": {"enforceEager": True}},
+        "vllm.enforceEager captures no CUDA graph: set vllm.cudagraphMode to NONE, "
+        "not FULL_AND_PIECEWISE",
+    ),
     "TP x PCP larger than the node (GB300 tray)": (
         {"parallelism": {"tensor": 4, "prefillContext": 2}},
         "parallelism: the TP x PCP group (8 GPUs) does not fit one node of gpu.perNode=4 GPUs; "
@@ -280,7 +281,10 @@ def test_extra_args_cannot_repeat_a_flag_a_value_sets(chart_without_schema: helm
     for section in ("model", "vllm"):
         for key, node in SCHEMA["properties"][section]["properties"].items():
             for value in _example(node, node.get("default")):
-                values = merge(GB300, {section: {key: value}})
+                setting = {key: value}
+                if (section, key, value) == ("vllm", "enforceEager", True):
+                    setting["cudagraphMode"] = "NONE"  # what _validate.tpl requires with it
+                values = merge(GB300, {section: setting})
                 rendered = chart_without_schema.render(values, name="mla", namespace="serving")
                 flags |= _vllm_flags(rendered)
     assert {"--max-cudagraph-capture-size", "--revision", "--enforce-eager"} <= flags

@@ -28,6 +28,9 @@ Helm runs these on every install, upgrade and template, --skip-schema-validation
 {{- if and (gt (int $p.prefillContext) 1) (gt $dcp 1) (eq .Values.vllm.dcpCommBackend "a2a") -}}
 {{- fail (printf "vllm.dcpCommBackend: a2a where PCP and DCP meet (prefillContext=%d, decodeContext=%d); vLLM 0.33.0's PCP manager needs ag_rs" (int $p.prefillContext) $dcp) -}}
 {{- end -}}
+{{- if and .Values.vllm.enforceEager (ne .Values.vllm.cudagraphMode "NONE") -}}
+{{- fail (printf "vllm.enforceEager captures no CUDA graph: set vllm.cudagraphMode to NONE, not %s (it is the mode MlaServeCudaGraphModeMismatch expects)" .Values.vllm.cudagraphMode) -}}
+{{- end -}}
 {{- $guardDefaults := .Values.sidecar.loopGuard.vllmDefaults -}}
 {{- if and (not (kindIs "invalid" $guardDefaults.thinkingTokenBudget)) (not .Values.vllm.reasoningParser) -}}
 {{- fail "sidecar.loopGuard.vllmDefaults.thinkingTokenBudget needs vllm.reasoningParser: vLLM refuses thinking_token_budget without a reasoning parser" -}}
