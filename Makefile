@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test lint format bench gpu-pack gpu-test e2e-pack e2e clean
+.PHONY: help dist test lint format generate check-generated bench gpu-pack gpu-test e2e-pack e2e clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -41,14 +41,23 @@ $(VENV)/.test-deps: $(BIN)/mla-serve tests/requirements-vllm-cpu.txt
 dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel in build/dist, for pip install (VLLM_VERSION=… to choose)
 	$(BIN)/mla-serve patches wheel --vllm-version $(VLLM_VERSION) --out build/dist
 
-lint: $(BIN)/mla-serve  ## ruff (lint + format check) and mypy
-	$(BIN)/ruff check mla_serve tests
-	$(BIN)/ruff format --check mla_serve tests
+lint: $(BIN)/mla-serve check-generated  ## ruff (lint + format check), mypy, generated files current
+	$(BIN)/ruff check mla_serve tests helm
+	$(BIN)/ruff format --check mla_serve tests helm
 	$(BIN)/mypy
 
 format: $(BIN)/mla-serve  ## apply ruff's formatting and safe fixes
-	$(BIN)/ruff check --fix mla_serve tests
-	$(BIN)/ruff format mla_serve tests
+	$(BIN)/ruff check --fix mla_serve tests helm
+	$(BIN)/ruff format mla_serve tests helm
+
+# Files written by helm/tools from one source each: the chart's values.schema.json and README
+# tables from the annotated values.yaml (and profiles/), its Grafana dashboard.
+GENERATORS := helm/tools/gen_values.py helm/tools/gen_dashboard.py
+generate: $(BIN)/mla-serve  ## rewrite every generated file (values.schema.json, chart README, dashboard)
+	@for tool in $(GENERATORS); do $(BIN)/python $$tool; done
+
+check-generated: $(BIN)/mla-serve  ## fail when a generated file is stale (part of lint)
+	@for tool in $(GENERATORS); do $(BIN)/python $$tool --check; done
 
 test: lint $(VENV)/.test-deps  ## lint, then every test (downloads the 7 vLLM wheels once)
 	$(BIN)/python -m pytest

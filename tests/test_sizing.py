@@ -470,6 +470,7 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", str(DSV4_FLASH), "--pcp", "2"], "DeepSeek-V4 with --pcp > 1"),
         (["--config", str(DSV4_FLASH), "--kv-cache-dtype", "bfloat16"], "stores fp8 only"),
         (["--config", str(DSV4_FLASH), "--tp", "3"], "does not divide num_attention_heads 64"),
+        (["--config", str(DSV4_FLASH), "--tp", "2", "--dcp", "4"], "must divide --tp"),
         (["--config", glm, "--tp", "3"], "does not divide num_attention_heads 64"),
         (["--config", glm, "--tp", "2", "--dcp", "4"], "must divide --tp"),
         (["--config", glm, "--tp", "2", "--pcp", "2", "--dcp", "3"], "--dcp must be one of"),

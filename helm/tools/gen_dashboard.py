@@ -9,13 +9,14 @@ Usage: python helm/tools/gen_dashboard.py [--check]
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import generated
 
-DASHBOARD_PATH = Path(__file__).resolve().parents[1] / "mla-serve" / "files" / "dashboard.json"
+DASHBOARD = Path("files") / "dashboard.json"  # in the chart
 
 SEL = 'namespace="$namespace", mla_serve_release="$release"'
 LEADER = SEL + ', mla_serve_role="leader"'
@@ -513,7 +514,11 @@ def dashboard() -> dict[str, Any]:
 
 
 def main() -> int:
-    return generated.main(DASHBOARD_PATH, dashboard, __doc__.splitlines()[0], Path(__file__).name)
+    return generated.main(
+        lambda chart: {chart / DASHBOARD: json.dumps(dashboard(), indent=2) + "\n"},
+        (__doc__ or "").splitlines()[0],
+        Path(__file__).name,
+    )
 
 
 if __name__ == "__main__":

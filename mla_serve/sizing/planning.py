@@ -169,6 +169,23 @@ def _number(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else round(float(value), 3)
 
 
+def parallel_layout_error(tp: int, pcp: int, dcp: int) -> str | None:
+    """Why vLLM refuses DCP `dcp` on TP `tp` x PCP `pcp`, or None when it accepts it.
+
+    vllm/config/parallel.py (0.33.0): without PCP, DCP reuses the TP ranks (it must divide TP);
+    with PCP it must be off, span the PCP axis, or span the whole TP x PCP block. The chart's
+    templates/_validate.tpl states the same rule; tests/helm/test_helm_vllm_args.py renders the
+    chart over a grid of layouts and requires it, this function and vLLM's ParallelConfig to
+    agree.
+    """
+    if pcp == 1 and tp % dcp:
+        return f"--dcp {dcp} must divide --tp {tp} when --pcp is 1"
+    if pcp > 1 and dcp not in (1, pcp, tp * pcp):
+        valid = sorted({1, pcp, tp * pcp})
+        return f"with --pcp {pcp} and --tp {tp}, --dcp must be one of {valid} (got {dcp})"
+    return None
+
+
 def _check_layout(shape: ModelShape, lay: Layout) -> None:
     for name in ("tp", "pcp", "dcp", "dp", "ep"):
         value = getattr(lay, name)
@@ -181,15 +198,9 @@ def _check_layout(shape: ModelShape, lay: Layout) -> None:
     linear = shape.linear_attention
     if linear is not None and linear.num_heads % lay.tp:
         raise SizingError(f"--tp {lay.tp} does not divide the {linear.num_heads} KDA heads")
-    # vllm/config/parallel.py (0.33.0): without PCP, DCP reuses the TP ranks; with PCP it
-    # must be off, span the PCP axis, or span the whole TP x PCP block.
-    if lay.pcp == 1 and lay.tp % lay.dcp:
-        raise SizingError(f"--dcp {lay.dcp} must divide --tp {lay.tp} when --pcp is 1")
-    if lay.pcp > 1 and lay.dcp not in (1, lay.pcp, lay.tp * lay.pcp):
-        valid = sorted({1, lay.pcp, lay.tp * lay.pcp})
-        raise SizingError(
-            f"with --pcp {lay.pcp} and --tp {lay.tp}, --dcp must be one of {valid} (got {lay.dcp})"
-        )
+    layout_error = parallel_layout_error(lay.tp, lay.pcp, lay.dcp)
+    if layout_error:
+        raise SizingError(layout_error)
     moe_ranks = lay.tp * lay.pcp * lay.dp
     if lay.ep not in (1, moe_ranks):
         raise SizingError(
@@ -226,6 +237,9 @@ def plan_dsv4(config: dict[str, Any], layout: Layout, name: str = "") -> dsv4.Pl
             raise SizingError(f"--{flag} must be a positive integer, got {value!r}")
     if layout.pcp > 1:
         raise SizingError("DeepSeek-V4 with --pcp > 1 is not modelled")
+    layout_error = parallel_layout_error(layout.tp, layout.pcp, layout.dcp)
+    if layout_error:
+        raise SizingError(layout_error)
     if shape.num_attention_heads % layout.tp:
         raise SizingError(
             f"--tp {layout.tp} does not divide num_attention_heads {shape.num_attention_heads}"

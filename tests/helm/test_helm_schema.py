@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import sys
 from typing import Any
@@ -15,13 +17,16 @@ from helm_support import (
     REPO,
     case_values,
     chart,
+    documents,
     load_values,
     merge,
     render,
     run,
+    vllm_container,
 )
 
 GB300 = load_values([PROFILES_DIR / "gb300-tp4.yaml"])
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 # (values on top of the gb300-tp4 profile, lines the error must contain)
 SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
@@ -36,39 +41,6 @@ SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "misspelt key": (
         {"parallelism": {"tensorParallel": 4}},
         ["at '/parallelism': additional properties 'tensorParallel' not allowed"],
-    ),
-    "TP x PCP larger than the node (GB300 tray)": (
-        {"parallelism": {"tensor": 4, "prefillContext": 2}},
-        [
-            "at '/gpu/perNode': minimum: got 4, want 8",
-            "at '/multiNode/computeDomain/enabled': value must be true",
-        ],
-    ),
-    "TP8 on a 4-GPU node": (
-        {"parallelism": {"tensor": 8}},
-        ["at '/gpu/perNode': minimum: got 4, want 8"],
-    ),
-    "DCP not dividing TP (no PCP)": (
-        {"parallelism": {"tensor": 2, "decodeContext": 4}},
-        ["at '/parallelism/tensor': value must be one of 4, 8, 16, 32, 64"],
-    ),
-    "DCP neither PCP nor TP x PCP": (
-        {"parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 2}},
-        ["at '/parallelism/decodeContext': value must be one of 1, 4"],
-    ),
-    "DP that splits unevenly over nodes": (
-        {"parallelism": {"tensor": 2, "data": 3}},
-        [
-            "at '/parallelism/data': maximum: got 3, want 2",
-            "at '/parallelism/data': multipleOf: got 3, want 2",
-        ],
-    ),
-    "a2a where PCP and DCP meet (vLLM 0.33.0's PCP manager needs ag_rs)": (
-        {
-            "parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 4},
-            "vllm": {"dcpCommBackend": "a2a"},
-        },
-        ["at '/vllm/dcpCommBackend': 'not' failed"],
     ),
     "unknown architecture": (
         {"gpu": {"arch": "x86_64"}},
@@ -85,10 +57,6 @@ SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
     "unknown CUDA graph mode": (
         {"vllm": {"cudagraphMode": "piecewise"}},
         ["at '/vllm/cudagraphMode': value must be one of 'NONE', 'PIECEWISE'"],
-    ),
-    "eager with a CUDA graph mode": (
-        {"vllm": {"enforceEager": True}},
-        ["at '/vllm/cudagraphMode': value must be 'NONE'"],
     ),
     "plugins without mla_serve": (
         {"vllm": {"plugins": ["other_plugin"]}},
@@ -108,8 +76,44 @@ SCHEMA_REJECTS: dict[str, tuple[dict[str, Any], list[str]]] = {
     ),
 }
 
-# Checks that need arithmetic across values or knowledge of the cluster: the chart's `fail`.
+# Rules across values: templates/_validate.tpl's `fail`, the one place they are written.
 TEMPLATE_REJECTS: dict[str, tuple[dict[str, Any], str]] = {
+    "eager with a CUDA graph mode": (
+        {"vllm": {"enforceEager": True}},
+        "vllm.enforceEager captures no CUDA graph: set vllm.cudagraphMode to NONE, "
+        "not FULL_AND_PIECEWISE",
+    ),
+    "TP x PCP larger than the node (GB300 tray)": (
+        {"parallelism": {"tensor": 4, "prefillContext": 2}},
+        "parallelism: the TP x PCP group (8 GPUs) does not fit one node of gpu.perNode=4 GPUs; "
+        "its per-layer collectives need NVLink: reduce it, or enable multiNode.computeDomain",
+    ),
+    "TP8 on a 4-GPU node": (
+        {"parallelism": {"tensor": 8}},
+        "parallelism: the TP x PCP group (8 GPUs) does not fit one node of gpu.perNode=4 GPUs",
+    ),
+    "DCP not dividing TP (no PCP)": (
+        {"parallelism": {"tensor": 2, "decodeContext": 4}},
+        "parallelism: decodeContext=4 must divide tensor=2 (without PCP, DCP reuses the TP ranks)",
+    ),
+    "DCP neither PCP nor TP x PCP": (
+        {"parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 2}},
+        "parallelism: with prefillContext=4, decodeContext must be one of 1, 4 "
+        "(off, the PCP axis, or TP x PCP); got 2",
+    ),
+    "DP that splits unevenly over nodes": (
+        {"parallelism": {"tensor": 2, "data": 3}},
+        "parallelism: TP2 x PCP1 x PP1 x DP3 = 6 GPUs does not split evenly over nodes of "
+        "gpu.perNode=4 GPUs",
+    ),
+    "a2a where PCP and DCP meet (vLLM 0.33.0's PCP manager needs ag_rs)": (
+        {
+            "parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 4},
+            "vllm": {"dcpCommBackend": "a2a"},
+        },
+        "vllm.dcpCommBackend: a2a where PCP and DCP meet (prefillContext=4, decodeContext=4); "
+        "vLLM 0.33.0's PCP manager needs ag_rs",
+    ),
     "a flag owned by the parallelism block": (
         {"vllm": {"extraArgs": ["--tensor-parallel-size=8"]}},
         "vllm.extraArgs: --tensor-parallel-size is set by parallelism.tensor; "
@@ -172,28 +176,6 @@ def test_chart_rejects(name: str) -> None:
     assert expected in str(caught.value)
 
 
-# The same layouts with the schema out of the way (helm install --skip-schema-validation).
-TEMPLATE_BACKUPS: dict[str, tuple[dict[str, Any], str]] = {
-    "TP x PCP larger than the node": (
-        {"parallelism": {"tensor": 4, "prefillContext": 2}},
-        "parallelism: the TP x PCP group (8 GPUs) does not fit one node of gpu.perNode=4 GPUs",
-    ),
-    "uneven split": (
-        {"parallelism": {"tensor": 2, "data": 3}},
-        "parallelism: TP2 x PCP1 x PP1 x DP3 = 6 GPUs does not split evenly over nodes of "
-        "gpu.perNode=4 GPUs",
-    ),
-    "DCP not dividing TP": (
-        {"parallelism": {"tensor": 2, "decodeContext": 4}},
-        "parallelism: decodeContext=4 must divide tensor=2",
-    ),
-    "DCP with PCP": (
-        {"parallelism": {"tensor": 1, "prefillContext": 4, "decodeContext": 2}},
-        "parallelism: with prefillContext=4, decodeContext must be one of 1, 4",
-    ),
-}
-
-
 @pytest.fixture(scope="module")
 def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> helm.Chart:
     copy = tmp_path_factory.mktemp("chart") / "mla-serve"
@@ -202,9 +184,12 @@ def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> helm.Chart
     return helm.Chart.load(str(copy))
 
 
-@pytest.mark.parametrize("name", sorted(TEMPLATE_BACKUPS))
-def test_template_checks_back_up_the_schema(name: str, chart_without_schema: helm.Chart) -> None:
-    override, expected = TEMPLATE_BACKUPS[name]
+@pytest.mark.parametrize("name", sorted(TEMPLATE_REJECTS))
+def test_template_checks_hold_without_the_schema(
+    name: str, chart_without_schema: helm.Chart
+) -> None:
+    """helm install --skip-schema-validation still cannot produce a pod vLLM refuses."""
+    override, expected = TEMPLATE_REJECTS[name]
     with pytest.raises(helm.HelmRenderError) as caught:
         chart_without_schema.render(merge(GB300, override), name="mla", namespace="serving")
     assert expected in str(caught.value)
@@ -249,7 +234,66 @@ def test_schema_accepts_valid_layouts(override: dict[str, Any], reason: str) -> 
     render(values)
 
 
-@pytest.mark.parametrize("tool", ["gen_schema.py", "gen_dashboard.py"])
+@pytest.mark.parametrize("tool", ["gen_values.py", "gen_dashboard.py"])
 def test_generated_files_are_current(tool: str) -> None:
     result = run([sys.executable, str(REPO / "helm" / "tools" / tool), "--check"])
     assert result.returncode == 0, result.stderr
+
+
+def _example(node: dict[str, Any], default: Any) -> list[Any]:
+    """Values other than the default that a typed setting renders (a flag) with."""
+    if "$ref" in node:
+        node = {**SCHEMA["definitions"][node["$ref"].rsplit("/", 1)[1]], **node}
+    kinds = node.get("type", [])
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "enum" in node:
+        return [value for value in node["enum"] if value not in ("", default)][:1]
+    if "boolean" in kinds:
+        return [True, False]
+    if "integer" in kinds:
+        return [64]
+    if "string" in kinds and not default:
+        return ["x" if re.fullmatch(node.get("pattern", ".*"), "x") else "X"]
+    return []
+
+
+def _vllm_flags(rendered: dict[str, str]) -> set[str]:
+    flags = set()
+    for doc in documents(rendered):
+        if doc["kind"] == "Deployment":
+            pods = [doc["spec"]["template"]]
+        elif doc["kind"] == "LeaderWorkerSet":
+            lwt = doc["spec"]["leaderWorkerTemplate"]
+            pods = [lwt["leaderTemplate"], lwt["workerTemplate"]]
+        else:
+            continue
+        for pod in pods:
+            args = vllm_container(pod["spec"])["args"]
+            flags |= {arg.split("=", 1)[0] for arg in args if arg.startswith("-")}
+    return flags
+
+
+def test_extra_args_cannot_repeat_a_flag_a_value_sets(chart_without_schema: helm.Chart) -> None:
+    """Every flag a typed value renders (each model.* and vllm.* setting tried in turn, and a
+    multi-node layout) is refused in vllm.extraArgs: a new typed flag that is not listed in
+    mla-serve.ownedFlags fails here."""
+    flags = _vllm_flags(render(case_values("multinode-nvl72")))
+    for section in ("model", "vllm"):
+        for key, node in SCHEMA["properties"][section]["properties"].items():
+            for value in _example(node, node.get("default")):
+                setting = {key: value}
+                if (section, key, value) == ("vllm", "enforceEager", True):
+                    setting["cudagraphMode"] = "NONE"  # what _validate.tpl requires with it
+                values = merge(GB300, {section: setting})
+                rendered = chart_without_schema.render(values, name="mla", namespace="serving")
+                flags |= _vllm_flags(rendered)
+    assert {"--max-cudagraph-capture-size", "--revision", "--enforce-eager"} <= flags
+    unowned = []
+    for flag in sorted(flags):
+        values = merge(GB300, {"vllm": {"extraArgs": [flag]}})
+        try:
+            render(values)
+            unowned.append(flag)
+        except helm.HelmRenderError as error:
+            assert f"vllm.extraArgs: {flag} is set by " in str(error), str(error)
+    assert unowned == []

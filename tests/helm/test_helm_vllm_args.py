@@ -1,6 +1,6 @@
 """The chart speaks vLLM 0.33.0 (the image's release): every rendered `vllm serve` command line
 is parsed by vLLM's own argument parser into the engine arguments the values ask for, and the
-schema's DCP rule is exactly vLLM's ParallelConfig rule.
+chart's DCP rule is exactly vLLM's ParallelConfig rule and `mla-serve plan`'s.
 
 Runs vLLM's Python code from the release tree (tests/trees.py) on the CPU, in a child process.
 """
@@ -25,9 +25,12 @@ from helm_support import (
     chart,
     load_values,
     merge,
+    render,
     run,
     vllm_container,
 )
+
+from mla_serve.sizing import planning
 
 RELEASE = "0.33.0"  # Chart.yaml appVersion's vLLM
 SIZES = [1, 2, 4, 8, 16, 32, 64]
@@ -107,6 +110,7 @@ def test_engine_arguments_match_the_values(label: str, probe: dict[str, Any]) ->
     assert got["max_model_len"] == v.get("maxModelLen")  # Helm drops null values
     if v.get("maxNumBatchedTokens"):
         assert got["max_num_batched_tokens"] == v["maxNumBatchedTokens"]
+    assert got["max_cudagraph_capture_size"] == v.get("maxCudagraphCaptureSize")
     assert got["attention_backend"] == (v["attentionBackend"] or None)
     assert got["cudagraph_mode"] == v["cudagraphMode"]
     assert (got["reasoning_parser"] or "") == v["reasoningParser"]
@@ -127,12 +131,17 @@ def test_engine_arguments_match_the_values(label: str, probe: dict[str, Any]) ->
         assert (got["host"], got["port"]) == ("0.0.0.0", v["port"])
 
 
-def test_schema_dcp_rule_is_vllms(probe: dict[str, Any]) -> None:
-    """For every (TP, PCP, DCP) of the schema's sizes, the schema accepts exactly what vLLM
-    0.33.0's ParallelConfig accepts (node size and NVLink rules held out of the way)."""
+def test_dcp_rule_is_vllms_and_the_plans(probe: dict[str, Any]) -> None:
+    """For every (TP, PCP, DCP) of the parallel sizes, the chart (templates/_validate.tpl, on
+    render) accepts exactly what vLLM 0.33.0's ParallelConfig accepts and what `mla-serve plan`
+    accepts (planning.parallel_layout_error); node size and NVLink rules held out of the way."""
     base = merge(
         load_values([PROFILES_DIR / "gb300-tp4.yaml"]),
-        {"gpu": {"perNode": 8}, "multiNode": {"computeDomain": {"enabled": True}}},
+        {
+            "gpu": {"perNode": 8},
+            "multiNode": {"computeDomain": {"enabled": True}},
+            "modelCache": {"existingClaim": "shared-weights"},
+        },
     )
     disagree = []
     for (tp, pcp, dcp), vllm_error in zip(LAYOUTS, probe["layouts"], strict=True):
@@ -140,11 +149,15 @@ def test_schema_dcp_rule_is_vllms(probe: dict[str, Any]) -> None:
             base, {"parallelism": {"tensor": tp, "prefillContext": pcp, "decodeContext": dcp}}
         )
         try:
-            chart().validate_schema(values)
-            schema_ok = True
-        except helm.HelmValuesError:
-            schema_ok = False
-        if schema_ok != (vllm_error is None):
-            disagree.append((tp, pcp, dcp, schema_ok, vllm_error))
+            render(values)
+            chart_error = None
+        except helm.HelmRenderError as error:
+            chart_error = str(error)
+            assert "decodeContext" in chart_error, (tp, pcp, dcp, chart_error)  # no other rule
+        plan_error = planning.parallel_layout_error(tp, pcp, dcp)
+        verdicts = (chart_error is None, vllm_error is None, plan_error is None)
+        if len(set(verdicts)) > 1:
+            disagree.append((tp, pcp, dcp, chart_error, vllm_error, plan_error))
     assert disagree == []
-    assert sum(error is None for error in probe["layouts"]) > 50  # the probe really ran
+    accepted = sum(error is None for error in probe["layouts"])
+    assert 50 < accepted < len(LAYOUTS)  # the probe really ran, and refused some

@@ -34,6 +34,7 @@ FIELDS = (
     "gpu_memory_utilization",
     "max_model_len",
     "max_num_batched_tokens",
+    "max_cudagraph_capture_size",
     "kv_cache_dtype",
     "nnodes",
     "node_rank",

@@ -154,6 +154,9 @@ Flags that only multi-node pods need are added by the pod template.
 {{- with $v.maxNumSeqs }}
 - --max-num-seqs={{ int . }}
 {{- end }}
+{{- with $v.maxCudagraphCaptureSize }}
+- --max-cudagraph-capture-size={{ int . }}
+{{- end }}
 {{- with $v.kvCacheDtype }}
 - --kv-cache-dtype={{ . }}
 {{- end }}
@@ -192,6 +195,55 @@ Flags that only multi-node pods need are added by the pod template.
 {{- range $v.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The vLLM flags the typed values own (flag: the value that sets it): vllm.extraArgs may not
+repeat them. Add a flag here when mla-serve.vllmArgs above gains one.
+*/}}
+{{- define "mla-serve.ownedFlags" -}}
+"--tensor-parallel-size": parallelism.tensor
+"-tp": parallelism.tensor
+"--prefill-context-parallel-size": parallelism.prefillContext
+"-pcp": parallelism.prefillContext
+"--decode-context-parallel-size": parallelism.decodeContext
+"-dcp": parallelism.decodeContext
+"--pipeline-parallel-size": parallelism.pipeline
+"-pp": parallelism.pipeline
+"--data-parallel-size": parallelism.data
+"-dp": parallelism.data
+"--enable-expert-parallel": parallelism.expert
+"-ep": parallelism.expert
+"--nnodes": parallelism (derived)
+"--node-rank": parallelism (derived)
+"--master-addr": the chart (multi-node)
+"--master-port": multiNode.masterPort
+"--headless": the chart (multi-node)
+"--host": the chart
+"--port": vllm.port
+"--served-model-name": model.servedModelName
+"--revision": model.revision
+"--trust-remote-code": model.trustRemoteCode
+"--gpu-memory-utilization": vllm.gpuMemoryUtilization
+"--max-model-len": vllm.maxModelLen
+"--max-num-batched-tokens": vllm.maxNumBatchedTokens
+"--max-num-seqs": vllm.maxNumSeqs
+"--max-cudagraph-capture-size": vllm.maxCudagraphCaptureSize
+"--kv-cache-dtype": vllm.kvCacheDtype
+"--attention-backend": vllm.attentionBackend
+"--enforce-eager": vllm.enforceEager
+"--dcp-comm-backend": vllm.dcpCommBackend
+"--compilation-config": vllm.cudagraphMode
+"-cc.cudagraph_mode": vllm.cudagraphMode
+"--compilation-config.cudagraph_mode": vllm.cudagraphMode
+"--enable-prefix-caching": vllm.enablePrefixCaching
+"--no-enable-prefix-caching": vllm.enablePrefixCaching
+"--reasoning-parser": vllm.reasoningParser
+"--tool-call-parser": vllm.toolCallParser
+"--enable-auto-tool-choice": vllm.toolCallParser
+"--dtype": vllm.dtype
+"--quantization": vllm.quantization
+"--disable-access-log-for-endpoints": vllm.disableAccessLogForEndpoints
 {{- end -}}
 
 {{/* sidecar.loopGuard.modelActions as the sidecar's --loop-model-actions: MODEL=ACTION,… */}}

@@ -1,7 +1,9 @@
 {{/*
-Checks that need arithmetic or cross-value knowledge. values.schema.json already rejects the
-layouts it can express; these repeat the layout checks (so --skip-schema-validation cannot
-produce a pod vLLM refuses) and add the ones a schema cannot state.
+Checks across values. values.schema.json (generated from values.yaml) types each value on its
+own; every rule that involves several values lives here, once: the parallel layout (the DCP rule
+is vLLM's ParallelConfig rule and mla-serve plan's, tests/helm/test_helm_vllm_args.py checks the
+three agree over a grid of layouts), ports, the drain, the cache's access modes, extraArgs.
+Helm runs these on every install, upgrade and template, --skip-schema-validation or not.
 */}}
 {{- define "mla-serve.validate" -}}
 {{- $p := .Values.parallelism -}}
@@ -22,6 +24,12 @@ produce a pod vLLM refuses) and add the ones a schema cannot state.
 {{- end -}}
 {{- else if not (has $dcp (list 1 (int $p.prefillContext) (int $group))) -}}
 {{- fail (printf "parallelism: with prefillContext=%d, decodeContext must be one of %s (off, the PCP axis, or TP x PCP); got %d" (int $p.prefillContext) (list 1 (int $p.prefillContext) (int $group) | uniq | join ", ") $dcp) -}}
+{{- end -}}
+{{- if and (gt (int $p.prefillContext) 1) (gt $dcp 1) (eq .Values.vllm.dcpCommBackend "a2a") -}}
+{{- fail (printf "vllm.dcpCommBackend: a2a where PCP and DCP meet (prefillContext=%d, decodeContext=%d); vLLM 0.33.0's PCP manager needs ag_rs" (int $p.prefillContext) $dcp) -}}
+{{- end -}}
+{{- if and .Values.vllm.enforceEager (ne .Values.vllm.cudagraphMode "NONE") -}}
+{{- fail (printf "vllm.enforceEager captures no CUDA graph: set vllm.cudagraphMode to NONE, not %s (it is the mode MlaServeCudaGraphModeMismatch expects)" .Values.vllm.cudagraphMode) -}}
 {{- end -}}
 {{- $guardDefaults := .Values.sidecar.loopGuard.vllmDefaults -}}
 {{- if and (not (kindIs "invalid" $guardDefaults.thinkingTokenBudget)) (not .Values.vllm.reasoningParser) -}}
@@ -44,22 +52,7 @@ produce a pod vLLM refuses) and add the ones a schema cannot state.
 {{- if lt (int .Values.terminationGracePeriodSeconds) (int $drain) -}}
 {{- fail (printf "terminationGracePeriodSeconds=%d is shorter than the drain (sidecar.drain.delaySeconds + timeoutSeconds + 10 s for vLLM to stop = %d): requests in flight would be killed" (int .Values.terminationGracePeriodSeconds) (int $drain)) -}}
 {{- end -}}
-{{- $owned := dict
-  "--tensor-parallel-size" "parallelism.tensor" "-tp" "parallelism.tensor"
-  "--prefill-context-parallel-size" "parallelism.prefillContext" "-pcp" "parallelism.prefillContext"
-  "--decode-context-parallel-size" "parallelism.decodeContext" "-dcp" "parallelism.decodeContext"
-  "--pipeline-parallel-size" "parallelism.pipeline" "-pp" "parallelism.pipeline"
-  "--data-parallel-size" "parallelism.data" "-dp" "parallelism.data"
-  "--enable-expert-parallel" "parallelism.expert" "-ep" "parallelism.expert"
-  "--nnodes" "parallelism (derived)" "--node-rank" "parallelism (derived)"
-  "--master-addr" "the chart (multi-node)" "--master-port" "multiNode.masterPort" "--headless" "the chart (multi-node)"
-  "--host" "the chart" "--port" "vllm.port" "--served-model-name" "model.servedModelName"
-  "--gpu-memory-utilization" "vllm.gpuMemoryUtilization" "--max-model-len" "vllm.maxModelLen"
-  "--max-num-batched-tokens" "vllm.maxNumBatchedTokens" "--kv-cache-dtype" "vllm.kvCacheDtype"
-  "--attention-backend" "vllm.attentionBackend" "--enforce-eager" "vllm.enforceEager"
-  "--dcp-comm-backend" "vllm.dcpCommBackend"
-  "--compilation-config" "vllm.cudagraphMode" "-cc.cudagraph_mode" "vllm.cudagraphMode"
-  "--compilation-config.cudagraph_mode" "vllm.cudagraphMode" -}}
+{{- $owned := include "mla-serve.ownedFlags" . | fromYaml -}}
 {{- range .Values.vllm.extraArgs -}}
 {{- $flag := regexReplaceAll "=.*$" . "" -}}
 {{- if hasKey $owned $flag -}}
