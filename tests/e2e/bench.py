@@ -215,6 +215,17 @@ def counters(admin_url: str) -> dict[str, float]:
     return totals
 
 
+def settled(admin_url: str, base: dict[str, float], expected: int) -> dict[str, float]:
+    """The counters once `expected` completions past `base` are in (a stream is counted just
+    after its last bytes went out), or as they are after 3 s."""
+    waited = time.monotonic()
+    while True:
+        now = counters(admin_url)
+        if now[COMPLETIONS] - base[COMPLETIONS] >= expected or time.monotonic() - waited > 3:
+            return now
+        time.sleep(0.02)
+
+
 @dataclass
 class Path_:
     """One way to vLLM: its URL, and the proxy process (None: direct)."""
@@ -429,11 +440,14 @@ class Bench:
     def one_path(self, path: Path_, concurrency: int, requests: int, number: int) -> dict[str, Any]:
         variants = len(self.bodies)
         order = [(number + i) % variants for i in range(requests)]
-        # warm-up: one short request per stream, untimed, opens the path's connections
-        self.clients.run(path.url, self.model, [self.warmup_body], [0] * concurrency,
-                         concurrency, 120)  # fmt: skip
         admin = path.admin_url
-        before_counts = counters(admin) if admin else None
+        start_counts = counters(admin) if admin else None
+        # warm-up: one short request per stream, untimed, opens the path's connections
+        warm = self.clients.run(path.url, self.model, [self.warmup_body], [0] * concurrency,
+                                concurrency, 120)  # fmt: skip
+        before_counts = None
+        if admin and start_counts is not None:  # the warm-up's counts, all in before the round
+            before_counts = settled(admin, start_counts, len(warm["records"]))
         before = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
         run = self.clients.run(path.url, self.model, self.bodies, order, concurrency, 300)
         after = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
@@ -451,15 +465,8 @@ class Bench:
             if result["completed"]:
                 result["proxy_cpu_ms_per_request"] = round(cpu * 1e3 / result["completed"], 3)
         if admin and before_counts is not None:
-            # the last stream's counters are written just after its last bytes went out
-            expected = result["completed"]
-            waited = time.monotonic()
-            while True:
-                now = counters(admin)
-                done = now[COMPLETIONS] - before_counts[COMPLETIONS]
-                if done >= expected or time.monotonic() - waited > 3:
-                    break
-                time.sleep(0.05)
+            now = settled(admin, before_counts, result["requests"])
+            done = now[COMPLETIONS] - before_counts[COMPLETIONS]
             result["sidecar_completions_counted"] = done
             result["sidecar_runaways_counted"] = now[RUNAWAYS] - before_counts[RUNAWAYS]
             result["counting_exact"] = (
@@ -513,13 +520,17 @@ class Bench:
 
 
 def band(values: list[float], digits: int = 3) -> dict[str, Any]:
+    """Median over rounds, the min..max band across rounds, and the middle half (q1..q3)."""
     values = [v for v in values if v is not None]
     if not values:
         return {}
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
     return {
         "median": round(statistics.median(values), digits),
         "min": round(min(values), digits),
         "max": round(max(values), digits),
+        "q1": round(q1, digits),
+        "q3": round(q3, digits),
         "rounds": len(values),
     }
 
@@ -762,6 +773,9 @@ def engine_stack(pid: int) -> dict[str, Any]:
     for candidate in process_tree(pid):
         found = http_stack(candidate)
         if found["libraries"]["uvloop"] or found["libraries"]["httptools"]:
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{candidate}/cmdline").read_bytes()
+                found["cmdline"] = command.replace(b"\0", b" ").decode(errors="replace")[:300]
             return {"pid": candidate, **found}
     return {"loop": "asyncio?", "http": "?", "note": "neither uvloop nor httptools mapped"}
 

@@ -229,8 +229,16 @@ def main() -> int:
     parser.add_argument("--releases", nargs="+", default=["0.33.0"])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e")
     parser.add_argument("--gpus", type=int, default=2, help="scale the profiles to this many GPUs")
+    parser.add_argument(
+        "--envoy-only", action="store_true", help="only the live benchmark's carry, envoy/"
+    )
     args = parser.parse_args()
     out: Path = args.out
+    if args.envoy_only:
+        envoy_carry(out / "envoy")
+        size = carry_size(out / "envoy", repository_bytes())
+        print(f"carry {out / 'envoy'}: {size / 2**20:.1f} MiB with the repository")
+        return 1 if size > CARRY_LIMIT else 0
     common = out / "common"
     shutil.rmtree(common, ignore_errors=True)
     print("common: wheels, models, layouts")
