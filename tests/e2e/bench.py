@@ -632,7 +632,7 @@ def table(result: dict[str, Any]) -> str:
         "| c | path | rounds | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
         "output tok/s | TTFT p50 added ms | TTFT p99 added ms | ITL p50 added ms | "
         "ITL p99 added ms | tok/s vs direct | proxy CPU ms/1000 chunks | "
-        "proxy CPU ms/request | pooled CPU ms/1000 chunks (net of idle) |",
+        "proxy CPU ms/request | pooled CPU ms/1000 chunks (net: run time less idle) |",
         "|" + "---|" * 16,
     ]
     for level, summary in sorted(result["summary"].items(), key=lambda kv: int(kv[0])):
@@ -782,10 +782,11 @@ def engine_stack(pid: int) -> dict[str, Any]:
 
 def profile(py_spy: Path, sidecar: Path_, bench: Bench, level: int, requests: int,
             results: Path) -> dict[str, Any]:  # fmt: skip
-    """py-spy on the sidecar through one extra sidecar-only round (not in the figures)."""
+    """py-spy on the sidecar through one extra sidecar-only round of 4x a round's requests
+    (not in the figures)."""
     out = results / f"sidecar-profile-c{level}.speedscope.json"
     spy = subprocess.Popen(
-        [str(py_spy), "record", "--pid", str(sidecar.pid), "--rate", "200", "--nonblocking",
+        [str(py_spy), "record", "--pid", str(sidecar.pid), "--rate", "250", "--nonblocking",
          "--format", "speedscope", "--output", str(out), "--duration", "600"],
         stdout=(results / "py-spy.log").open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -932,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
                 paths["sidecar"],
                 bench,
                 args.profile,
-                requests.get(args.profile, 4 * args.profile),
+                4 * requests.get(args.profile, 2 * args.profile),
                 results,
             )
         result["config"] = {
