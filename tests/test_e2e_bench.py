@@ -74,7 +74,7 @@ def run(
     argv = [
         sys.executable, str(BENCH), "--upstream-url", upstream, "--results", str(results),
         "--work", str(tmp_path_factory.mktemp("work")), "--levels", "1,4",
-        "--rounds", "1=2,4=1", "--requests", "1=3,4=8", "--max-tokens", "8", "--clients", "2",
+        "--rounds", "1=2,4=1", "--requests", "1=3,4=8", "--max-tokens", "8",
         "--budget-s", "120",
     ]  # fmt: skip
     argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]

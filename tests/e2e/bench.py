@@ -434,6 +434,11 @@ class Bench:
         self.round_s: dict[int, float] = {}
         self.skipped: list[str] = []
 
+    def left(self, most: float) -> float:
+        """A round's own deadline: at most `most` s, and never far past the bench's budget (a
+        stuck engine cuts the round; what was cut is counted and reported)."""
+        return max(10.0, min(most, self.deadline + 10 - time.monotonic()))
+
     def proxies(self) -> list[Path_]:
         return [p for p in self.paths.values() if p.pid is not None]
 
@@ -444,12 +449,14 @@ class Bench:
         start_counts = counters(admin) if admin else None
         # warm-up: one short request per stream, untimed, opens the path's connections
         warm = self.clients.run(path.url, self.model, [self.warmup_body], [0] * concurrency,
-                                concurrency, 120)  # fmt: skip
+                                concurrency, self.left(120))  # fmt: skip
         before_counts = None
         if admin and start_counts is not None:  # the warm-up's counts, all in before the round
             before_counts = settled(admin, start_counts, len(warm["records"]))
         before = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
-        run = self.clients.run(path.url, self.model, self.bodies, order, concurrency, 300)
+        run = self.clients.run(
+            path.url, self.model, self.bodies, order, concurrency, self.left(300)
+        )
         after = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
         result = figures(run)
         result["cpu_s"] = {
@@ -919,7 +926,9 @@ def main(argv: list[str] | None = None) -> int:
         if stack is not None:
             result["http_stacks"]["vllm_api_server"] = engine_stack(stack.processes["engine"].pid)
         result["versions"] = versions_of(envoy)
-        clients = Clients(max(1, args.clients), work)
+        clients = Clients(
+            max(1, min(args.clients, math.ceil(max(levels) / STREAMS_PER_CLIENT))), work
+        )
         result["client"] = {"processes_at_most": len(clients.procs), **clients.hello[0],
                             "streams_per_process": STREAMS_PER_CLIENT}  # fmt: skip
         reserve = 15.0  # writing results and stopping
