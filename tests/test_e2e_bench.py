@@ -121,6 +121,8 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
         assert summary["pooled"]["run_ms_per_1000_chunks"] > 0
         assert f"| 1 | {name} | 2 |" in run["md"]
     assert "Counting: the sidecar counted 14 of 14 requests" in run["md"]
+    assert [t["concurrency"] for t in result["targets"]] == [1, 4]
+    assert "Issue 19's targets" in run["md"]
 
 
 def test_envoy_runs_as_the_third_path(run: dict[str, Any], envoy: Path | None) -> None:

@@ -592,6 +592,37 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 19's targets per concurrency, judged on the medians (the bands are beside them):
+    the sidecar's added TTFT p50 <= 1 ms, its throughput >= 0.99 of direct and >= Envoy's,
+    its CPU per 1000 chunks and per request (pooled) <= Envoy's."""
+    rows = []
+    for level, paths in sorted(summary.items(), key=lambda kv: int(kv[0])):
+        sidecar, envoy = paths.get("sidecar"), paths.get("envoy")
+        if not sidecar or not sidecar["ttft_p50_added_ms"]:
+            continue
+        added = sidecar["ttft_p50_added_ms"]
+        ratio = sidecar["output_tokens_per_s_ratio"]
+        row: dict[str, Any] = {
+            "concurrency": int(level),
+            "ttft_p50_added_ms": added["median"],
+            "ttft_p50_added_band_ms": round(added["max"] - added["min"], 3),
+            "ttft_p50_added_le_1ms": added["median"] <= 1.0,
+            "throughput_ratio": ratio.get("median"),
+            "throughput_ge_0.99": bool(ratio) and ratio["median"] >= 0.99,
+        }
+        if envoy and envoy["output_tokens_per_s_ratio"]:
+            row["envoy_throughput_ratio"] = envoy["output_tokens_per_s_ratio"]["median"]
+            row["throughput_ge_envoy"] = bool(ratio) and ratio["median"] >= row[
+                "envoy_throughput_ratio"]  # fmt: skip
+            for key in ("cpu_ms_per_1000_chunks", "cpu_ms_per_request", "run_ms_per_1000_chunks"):
+                mine, theirs = sidecar["pooled"][key], envoy["pooled"][key]
+                row[f"sidecar_{key}"], row[f"envoy_{key}"] = mine, theirs
+                row[f"{key}_le_envoy"] = None if None in (mine, theirs) else mine <= theirs
+        rows.append(row)
+    return rows
+
+
 def checks(series: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
     problems: list[str] = []
     sent = counted = runaways_seen = runaways_counted = 0
@@ -630,6 +661,10 @@ def cell(b: dict[str, Any], digits: int = 2) -> str:
     if not b:
         return "-"
     return f"{b['median']:.{digits}f} [{b['min']:.{digits}f}..{b['max']:.{digits}f}]"
+
+
+def yes(value: bool | None) -> str:
+    return "-" if value is None else ("met" if value else "NOT met")
 
 
 def table(result: dict[str, Any]) -> str:
@@ -681,6 +716,23 @@ def table(result: dict[str, Any]) -> str:
         f"{c['runaways_seen_by_client']} the client saw: "
         f"{'exact' if c['counting_exact'] else 'NOT exact'}.",
     ]  # fmt: skip
+    if result.get("targets"):
+        lines += ["", "Issue 19's targets (sidecar; medians over rounds, band = max - min):", ""]
+        lines += ["| c | TTFT p50 added ms (band) | <= 1 ms | tok/s ratio (Envoy's) | >= 0.99 "
+                  "| >= Envoy | CPU ms/1000 chunks sidecar vs Envoy | CPU ms/request sidecar "
+                  "vs Envoy |", "|" + "---|" * 8]  # fmt: skip
+        for t in result["targets"]:
+            lines.append(
+                f"| {t['concurrency']} | {t['ttft_p50_added_ms']} ({t['ttft_p50_added_band_ms']})"
+                f" | {yes(t['ttft_p50_added_le_1ms'])} | {t['throughput_ratio']} "
+                f"({t.get('envoy_throughput_ratio', '-')}) | {yes(t['throughput_ge_0.99'])} | "
+                f"{yes(t.get('throughput_ge_envoy'))} | {t.get('sidecar_cpu_ms_per_1000_chunks')} "
+                f"vs {t.get('envoy_cpu_ms_per_1000_chunks')} "
+                f"({yes(t.get('cpu_ms_per_1000_chunks_le_envoy'))}) | "
+                f"{t.get('sidecar_cpu_ms_per_request')} vs {t.get('envoy_cpu_ms_per_request')} "
+                f"({yes(t.get('cpu_ms_per_request_le_envoy'))}) |"
+            )
+        lines.append("")
     for problem in c["problems"]:
         lines.append(f"PROBLEM: {problem}")
     for skipped in result.get("skipped", []):
@@ -965,6 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
         result["series"] = {str(k): v for k, v in bench.series.items()}
         result["summary"] = {str(k): summarize(v) for k, v in bench.series.items()}
         result["checks"] = checks(bench.series)
+        result["targets"] = targets(result["summary"])
         result["skipped"] = bench.skipped
         status = 1 if result["checks"]["problems"] else 0
     except (RuntimeError, ValueError, OSError) as error:
