@@ -1018,6 +1018,12 @@ def main(argv: list[str] | None = None) -> int:
         result["summary"] = {str(k): summarize(v) for k, v in bench.series.items()}
         result["checks"] = checks(bench.series)
         result["targets"] = targets(result["summary"])
+        ran_on = result["http_stacks"]["sidecar"]
+        if (ran_on["loop"], ran_on["http"]) != ("uvloop", "httptools"):
+            result["checks"]["problems"].append(
+                f"the sidecar ran on {ran_on['loop']} + {ran_on['http']}, not on uvloop + "
+                "httptools as in vLLM's image"
+            )
         result["skipped"] = bench.skipped
         status = 1 if result["checks"]["problems"] else 0
     except (RuntimeError, ValueError, OSError) as error:
