@@ -103,10 +103,11 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
                 assert figures["ttft_p50_ms"] > 0 and figures["itl_p99_ms"] > 0
                 # the stand-in's role chunk, 8 token chunks, the usage chunk
                 assert figures["chunks"] == 10 * requests
-            # every other request thinks to the cap: a runaway the sidecar must count
+            # every 4th request thinks to the cap: a runaway the sidecar must count
             number = result["series"][level].index(entry)
             sidecar = entry["paths"]["sidecar"]
-            assert sidecar["runaways_seen"] == sum((number + i) % 2 for i in range(requests))
+            expected = sum(1 for i in range(requests) if (number + i) % 4 == 3)
+            assert sidecar["runaways_seen"] == expected
             assert sidecar["sidecar_completions_counted"] == requests
             assert sidecar["sidecar_runaways_counted"] == sidecar["runaways_seen"]
     checks = result["checks"]
@@ -120,7 +121,7 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
         assert summary["ttft_p50_added_ms"]["rounds"] == 2
         assert summary["pooled"]["run_ms_per_1000_chunks"] > 0
         assert f"| 1 | {name} | 2 |" in run["md"]
-    assert "Counting: the sidecar counted 14 of 14 requests" in run["md"]
+    assert "Counting: the sidecar counted 14 of 14 requests and 3 runaways" in run["md"]
     assert [t["concurrency"] for t in result["targets"]] == [1, 4]
     assert "Issue 19's targets" in run["md"]
 
@@ -172,3 +173,43 @@ def test_unpack_refuses_an_envoy_carry_that_does_not_match_its_sums(tmp_path: Pa
     assert done.returncode == 2
     assert "sha256 mismatch" in done.stderr
     assert not (tmp_path / "store" / "envoy" / "site").exists()
+
+
+RECORDING = ROOT / "tests/e2e/results/h200x2/0.33.0-tp1-patched/recorded_streams.json"
+REPLAY = ROOT / "tests" / "bench" / "passthrough" / "replay.py"
+
+
+def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path | None) -> None:
+    """The live run's own requests, answered with the bytes vLLM 0.33.0 sent for them on an
+    H200 (passthrough/replay.py, at their recorded pace): a thinking request streams no token
+    chunk there, and still counts as answered, and as a runaway."""
+    port = bench.free_port()
+    replay = subprocess.Popen(
+        [sys.executable, str(REPLAY), "serve", "--port", str(port), "--recordings",
+         str(RECORDING)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        bench.wait_up(f"http://127.0.0.1:{port}/health", replay, 20, "the replay")
+        argv = [
+            sys.executable, str(BENCH), "--upstream-url", f"http://127.0.0.1:{port}",
+            "--bodies", "live", "--model", "tiny-deepseek-v3.2", "--results", str(tmp_path),
+            "--work", str(tmp_path / "work"), "--levels", "2", "--rounds", "2=1",
+            "--requests", "2=4", "--budget-s", "120",
+        ]  # fmt: skip
+        argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+    finally:
+        replay.terminate()
+        replay.wait(timeout=10)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    for figures in result["series"]["2"][0]["paths"].values():
+        assert figures["completed"] == figures["requests"] == 4
+        assert figures["streams_without_tokens"] == 1 == figures["runaways_seen"]
+        assert figures["output_tokens"] == 4 * 64
+        # answers: the role chunk, 64 token chunks (the last with the finish), usage;
+        # the thinking request: role, the finish (an empty delta), usage
+        assert figures["chunks"] == 3 * 66 + 3
+    assert result["checks"]["counting_exact"]
+    assert result["checks"]["sidecar_runaways_counted"] == 1

@@ -14,8 +14,9 @@ through Envoy.
 
 Load: the official `openai` client, async, in client processes of at most 32 streams each
 (bench_client.py), closed loop: streaming chat completions (max_tokens 64, include_usage,
-temperature 0, EOS and `</think>` ruled out so every reply runs to max_tokens), half with
-thinking on (the dummy model's replies are then reasoning only: runaways), half off. At each
+temperature 0, EOS and `</think>` ruled out so every reply runs to max_tokens), every 4th
+with thinking on (the dummy model then reasons to the cap: a runaway; vLLM 0.33.0 streams no
+token chunk for it, only role, finish and usage), the others off (a token a chunk). At each
 concurrency (1, 16, 64, 256) rounds are interleaved: in every round each path runs the same
 requests, in an order rotated per round, so drift hits all three alike; each path's round
 starts with an untimed warm-up (one 2-token request per stream) that opens its connections.
@@ -375,8 +376,8 @@ def ms(value: float | None, digits: int = 3) -> float | None:
 def figures(run: dict[str, Any]) -> dict[str, Any]:
     """One path's round, from the client records."""
     records = run["records"]
-    ok = [r for r in records if r[7] is None and r[0] is not None]
-    ttft = [r[0] for r in ok]
+    ok = [r for r in records if r[7] is None and r[5] is not None]  # answered, finished
+    ttft = [r[0] for r in ok if r[0] is not None]
     gaps = [g / 1e6 for r in ok for g in r[8]]
     wall = run["ended"] - run["began"]
     tokens = sum(r[4] for r in ok)
@@ -388,6 +389,7 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "cut_at_deadline": run["cut_at_deadline"],
         "no_usage": sum(1 for r in ok if not r[4]),
         "runaways_seen": sum(1 for r in ok if r[6]),
+        "streams_without_tokens": sum(1 for r in ok if r[0] is None),
         "finish": {f: sum(1 for r in ok if r[5] == f) for f in sorted({str(r[5]) for r in ok})},
         "ttft_p50_ms": ms(percentile(ttft, 0.50)),
         "ttft_p99_ms": ms(percentile(ttft, 0.99)),
@@ -422,9 +424,10 @@ def parse_map(text: str, name: str) -> dict[int, int]:
 class Bench:
     def __init__(
         self, paths: dict[str, Path_], model: str, bodies: list[dict[str, Any]],
-        clients: Clients, deadline: float, warmup_body: dict[str, Any],
+        clients: Clients, deadline: float, warmup_body: dict[str, Any], thinking_every: int,
     ) -> None:  # fmt: skip
         self.paths = paths
+        self.thinking_every = thinking_every
         self.model = model
         self.bodies = bodies
         self.warmup_body = warmup_body
@@ -443,8 +446,8 @@ class Bench:
         return [p for p in self.paths.values() if p.pid is not None]
 
     def one_path(self, path: Path_, concurrency: int, requests: int, number: int) -> dict[str, Any]:
-        variants = len(self.bodies)
-        order = [(number + i) % variants for i in range(requests)]
+        every = self.thinking_every  # every Nth request the second body (thinking on)
+        order = [int(every > 0 and (number + i) % every == every - 1) for i in range(requests)]
         admin = path.admin_url
         start_counts = counters(admin) if admin else None
         # warm-up: one short request per stream, untimed, opens the path's connections
@@ -892,6 +895,13 @@ def main(argv: list[str] | None = None) -> int:
         help="after the rounds, profile the sidecar with py-spy at C streams",
     )
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--bodies",
+        choices=("live", "standin"),
+        default="standin",
+        help="with --upstream-url: the stand-in's directives (upstream.py), or the live "
+        "requests (for passthrough/replay.py, which replays vLLM's recorded streams for them)",
+    )
     parser.add_argument("--levels", default="1,16,64,256")
     parser.add_argument("--rounds", default="1=12,16=12,64=3,256=3",
                         help="the most rounds per concurrency")  # fmt: skip
@@ -899,6 +909,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", default="1=16,16=64,64=128,256=512",
                         help="requests per path per round")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--thinking-every",
+        type=int,
+        default=4,
+        metavar="N",
+        help="every Nth request with thinking on (a runaway on the dummy model); 0: none",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
         "--standin-rate",
@@ -949,7 +966,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.upstream_url:
             model = args.model or "glm-5.3-flash"
-            bodies, warmup = standin_bodies(args.max_tokens, args.standin_rate)
+            bodies, warmup = (
+                live_bodies(args.max_tokens)
+                if args.bodies == "live"
+                else standin_bodies(args.max_tokens, args.standin_rate)
+            )
             wait_up(f"{args.upstream_url}/health", None, 30, "the upstream")
             paths = {"direct": Path_("direct", args.upstream_url)}
             paths["sidecar"] = start_sidecar(args.upstream_url, work, started)
@@ -984,7 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
         result["client"] = {"processes_at_most": len(clients.procs), **clients.hello[0],
                             "streams_per_process": STREAMS_PER_CLIENT}  # fmt: skip
         reserve = 15.0  # writing results and stopping
-        bench = Bench(paths, model, bodies, clients, began + args.budget_s - reserve, warmup)
+        bench = Bench(paths, model, bodies, clients, began + args.budget_s - reserve, warmup,
+                      args.thinking_every)  # fmt: skip
         print(f"paths: {', '.join(paths)}; sidecar on {result['http_stacks']['sidecar']['loop']}"
               f" + {result['http_stacks']['sidecar']['http']}", flush=True)  # fmt: skip
         bench.run(Plan(levels, rounds, requests, args.base_rounds))
@@ -1000,8 +1022,10 @@ def main(argv: list[str] | None = None) -> int:
         result["config"] = {
             "levels": levels, "rounds_at_most": rounds, "requests_per_path_per_round": requests,
             "base_rounds": args.base_rounds, "max_tokens": args.max_tokens,
-            "variants": "thinking off (visible answer) and on (reasoning only: a runaway), "
-                        "alternating; every reply runs to max_tokens",
+            "variants": f"every {args.thinking_every}th request with thinking on (the dummy "
+                        "model reasons to the cap: a runaway; vLLM 0.33.0 then streams no "
+                        "token chunk, only role, finish and usage), the others off (a visible "
+                        "answer, a token a chunk); every reply runs to max_tokens",
             "ttft": "call to the first chunk carrying a token (content or reasoning)",
             "itl": "between consecutive token chunks of one stream (vLLM: one token a chunk)",
             "throughput": "usage completion tokens over the round's wall time",
