@@ -213,3 +213,11 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
         assert figures["chunks"] == 3 * 66 + 3
     assert result["checks"]["counting_exact"]
     assert result["checks"]["sidecar_runaways_counted"] == 1
+
+
+def test_work_and_results_must_not_overlap(tmp_path: Path) -> None:
+    argv = [sys.executable, str(BENCH), "--upstream-url", "http://127.0.0.1:9",
+            "--results", str(tmp_path / "out"), "--work", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "must not overlap" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -903,7 +903,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream-url", help="a running server of vLLM's protocol instead")
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument(
-        "--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "mla-serve-e2e-bench"
+        "--work",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "mla-serve-e2e-bench-work",
     )
     parser.add_argument("--envoy", type=Path, help="envoy binary (default: the store's)")
     parser.add_argument("--no-envoy", action="store_true", help="direct and sidecar only")
@@ -974,6 +976,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and (py_spy is None or not py_spy.is_file()):
         parser.error(f"--profile: no py-spy at {py_spy}")
     results, work = args.results.resolve(), args.work.resolve()
+    if results == work or work in results.parents or results in work.parents:
+        parser.error(f"--work {work} and --results {results} must not overlap (--work is wiped)")
     results.mkdir(parents=True, exist_ok=True)
     import shutil
 
