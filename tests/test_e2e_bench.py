@@ -46,7 +46,7 @@ def envoy_binary(tmp: Path) -> Path | None:
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
+def upstream() -> Iterator[tuple[str, int]]:
     port = bench.free_port()
     proc = subprocess.Popen(
         [sys.executable, str(UPSTREAM), "--port", str(port)],
@@ -55,7 +55,7 @@ def upstream() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         bench.wait_up(f"{url}/health", proc, 20, "the stand-in")
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -68,11 +68,12 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def run(
-    upstream: str, envoy: Path | None, tmp_path_factory: pytest.TempPathFactory
+    upstream: tuple[str, int], envoy: Path | None, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     results = tmp_path_factory.mktemp("results")
     argv = [
-        sys.executable, str(BENCH), "--upstream-url", upstream, "--results", str(results),
+        sys.executable, str(BENCH), "--upstream-url", upstream[0], "--results", str(results),
+        "--upstream-pid", str(upstream[1]),
         "--work", str(tmp_path_factory.mktemp("work")), "--levels", "1,4",
         "--rounds", "1=2,4=1", "--requests", "1=3,4=8", "--max-tokens", "8",
         "--budget-s", "120",
@@ -123,6 +124,10 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
         assert f"| 1 | {name} | 2 |" in run["md"]
     assert "Counting: the sidecar counted 14 of 14 requests and 3 runaways" in run["md"]
     assert [t["concurrency"] for t in result["targets"]] == [1, 4]
+    # the upstream's own CPU per path (live: vLLM's API server)
+    for name in paths:
+        assert result["summary"]["4"][name]["vllm_api_server_cpu_ms_per_1000_chunks"]["rounds"]
+    assert "vLLM's API server CPU ms/1000 chunks at c=4: direct" in run["md"]
     assert "Issue 19's targets" in run["md"]
 
 
@@ -193,8 +198,9 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
         bench.wait_up(f"http://127.0.0.1:{port}/health", replay, 20, "the replay")
         argv = [
             sys.executable, str(BENCH), "--upstream-url", f"http://127.0.0.1:{port}",
-            "--bodies", "live", "--model", "tiny-deepseek-v3.2", "--results", str(tmp_path),
-            "--work", str(tmp_path / "work"), "--levels", "2", "--rounds", "2=1",
+            "--bodies", "live", "--model", "tiny-deepseek-v3.2",
+            "--results", str(tmp_path / "results"), "--work", str(tmp_path / "work"),
+            "--levels", "2", "--rounds", "2=1",
             "--requests", "2=4", "--budget-s", "120",
         ]  # fmt: skip
         argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
@@ -203,7 +209,7 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
         replay.terminate()
         replay.wait(timeout=10)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    result = json.loads((tmp_path / "bench.json").read_text())
+    result = json.loads((tmp_path / "results" / "bench.json").read_text())
     for figures in result["series"]["2"][0]["paths"].values():
         assert figures["completed"] == figures["requests"] == 4
         assert figures["streams_without_tokens"] == 1 == figures["runaways_seen"]

@@ -131,12 +131,12 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def cpu_of(root: int) -> dict[str, float]:
+def cpu_of(root: int, tree: bool = True) -> dict[str, float]:
     """User + system CPU seconds of the tree (/proc/<pid>/stat: utime, stime, in clock ticks)
     and its threads' run time (/proc/<pid>/task/*/schedstat, nanoseconds: finer)."""
     ticks = 0
     run_ns = 0
-    for pid in process_tree(root):
+    for pid in process_tree(root) if tree else [root]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = _stat_fields(pid)
             ticks += int(fields[11]) + int(fields[12])
@@ -440,6 +440,7 @@ class Bench:
     ) -> None:  # fmt: skip
         self.paths = paths
         self.thinking_every = thinking_every
+        self.engine_pid: int | None = None  # vLLM's API server, live
         self.model = model
         self.bodies = bodies
         self.warmup_body = warmup_body
@@ -469,10 +470,14 @@ class Bench:
         if admin and start_counts is not None:  # the warm-up's counts, all in before the round
             before_counts = settled(admin, start_counts, len(warm["records"]))
         before = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
+        if self.engine_pid:  # vLLM's API server alone (not its engine core, which polls)
+            before["vllm_api_server"] = cpu_of(self.engine_pid, tree=False)
         run = self.clients.run(
             path.url, self.model, self.bodies, order, concurrency, self.left(300)
         )
         after = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
+        if self.engine_pid:
+            after["vllm_api_server"] = cpu_of(self.engine_pid, tree=False)
         result = figures(run)
         result["cpu_s"] = {
             name: {k: round(after[name][k] - before[name][k], 4) for k in before[name]}
@@ -570,6 +575,10 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [e["paths"][name] for e in rounds if name in e["paths"]]
         summary: dict[str, Any] = {key: band([r[key] for r in mine]) for key in keys}
         summary["client_busiest_cores"] = band([r["client_busiest_cores"] for r in mine])
+        if all("vllm_api_server" in r["cpu_s"] and r["chunks"] for r in mine):
+            summary["vllm_api_server_cpu_ms_per_1000_chunks"] = band(
+                [r["cpu_s"]["vllm_api_server"]["stat_s"] * 1e6 / r["chunks"] for r in mine], 2
+            )
         if name != "direct":
             pairs = [(e["paths"]["direct"], e["paths"][name]) for e in rounds
                      if "direct" in e["paths"] and name in e["paths"]]  # fmt: skip
@@ -732,6 +741,12 @@ def table(result: dict[str, Any]) -> str:
         f"{c['runaways_seen_by_client']} the client saw: "
         f"{'exact' if c['counting_exact'] else 'NOT exact'}.",
     ]  # fmt: skip
+    for level, summary in sorted(result["summary"].items(), key=lambda kv: int(kv[0])):
+        api = {n: x["vllm_api_server_cpu_ms_per_1000_chunks"] for n, x in summary.items()
+               if "vllm_api_server_cpu_ms_per_1000_chunks" in x}  # fmt: skip
+        if api:
+            lines.append(f"vLLM's API server CPU ms/1000 chunks at c={level}: "
+                         + ", ".join(f"{n} {cell(b, 1)}" for n, b in api.items()))  # fmt: skip
     busiest = max(
         (s["client_busiest_cores"].get("max", 0.0) for level in result["summary"].values()
          for s in level.values()), default=0.0,
@@ -901,6 +916,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", type=Path, help="run.sh's store (live mode)")
     parser.add_argument("--spec", default="0.33.0:tp1:patched", help="release:layout:state")
     parser.add_argument("--upstream-url", help="a running server of vLLM's protocol instead")
+    parser.add_argument(
+        "--upstream-pid",
+        type=int,
+        default=None,
+        help="with --upstream-url: its process, measured as vLLM's API server",
+    )
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument(
         "--work",
@@ -1032,6 +1053,9 @@ def main(argv: list[str] | None = None) -> int:
         reserve = 15.0  # writing results and stopping
         bench = Bench(paths, model, bodies, clients, began + args.budget_s - reserve, warmup,
                       args.thinking_every)  # fmt: skip
+        bench.engine_pid = args.upstream_pid or result["http_stacks"].get(
+            "vllm_api_server", {}
+        ).get("pid")
         print(f"paths: {', '.join(paths)}; sidecar on {result['http_stacks']['sidecar']['loop']}"
               f" + {result['http_stacks']['sidecar']['http']}", flush=True)  # fmt: skip
         bench.run(Plan(levels, rounds, requests, args.base_rounds))
