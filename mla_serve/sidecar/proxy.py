@@ -665,6 +665,7 @@ class Exchange:
         self.finished = False  # nothing more is taken from vLLM
         self.pending: list[bytes] = []
         self.pending_size = 0
+        self.batch: list[bytes] = []  # this read's output, direct mode
         self.direct: Any = None  # uvicorn's httptools cycle, once the head of a stream is out
         self.writes = 0  # chunks written straight to the client's transport
         self.idle_handle: asyncio.TimerHandle | None = None
@@ -759,16 +760,25 @@ class Exchange:
         return data
 
     def _emit(self, out: bytes) -> None:
+        if self.direct is not None:
+            self.batch.append(out)  # written by fed(), once per read of vLLM's socket
+            return
+        self._queue(out)
+
+    def fed(self) -> None:
+        """After one read of vLLM's socket: what it gave, in one write to the client."""
+        if not self.batch:
+            return
+        out = self.batch[0] if len(self.batch) == 1 else b"".join(self.batch)
+        self.batch.clear()
         cycle = self.direct
-        if (
-            cycle is not None
-            and not self.pending
-            and not cycle.flow.write_paused
-            and not cycle.disconnected
-        ):
+        if not self.pending and not cycle.flow.write_paused and not cycle.disconnected:
             cycle.transport.write(b"%x\r\n%b\r\n" % (len(out), out))
             self.writes += 1
             return
+        self._queue(out)
+
+    def _queue(self, out: bytes) -> None:
         self.pending.append(out)
         self.pending_size += len(out)
         if self.pending_size > self.HIGH_WATER and self.conn is not None:

@@ -34,6 +34,7 @@ class Sink(Protocol):
 
     def head(self, status: int, headers: Headers) -> None: ...
     def body(self, data: bytes) -> None: ...
+    def fed(self) -> None: ...  # after the body pieces of one read: a place to batch writes
     def end(self) -> None: ...
     def lost(self, why: str, retryable: bool) -> None: ...
 
@@ -103,13 +104,16 @@ class Connection(asyncio.Protocol):
             return
         self.got_bytes = True
         self.last_read = self.pool.loop.time()
+        sink = self.sink
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
-            sink, self.sink = self.sink, None
+            self.sink = None
             self.abort()
-            if sink is not None:
-                sink.lost(f"malformed HTTP from vLLM: {error}", False)
+            sink.fed()
+            sink.lost(f"malformed HTTP from vLLM: {error}", False)
+            return
+        sink.fed()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
