@@ -221,9 +221,7 @@ def framing_split(body: bytes, seed: int) -> Plan:
 LF = events()
 CRLF = events(b"\r\n\r\n")
 CASES: dict[str, Plan] = {
-    "one event per chunk": plan_of(
-        LF, LF.split(b"\n\n")[:-1] and [e + b"\n\n" for e in LF.split(b"\n\n")[:-1]]
-    ),  # fmt: skip
+    "one event per chunk": plan_of(LF, [e + b"\n\n" for e in LF.split(b"\n\n")[:-1]]),
     "data: split": plan_of(LF, cuts(LF, b"da", b"}\n\nda", b"data:")),
     "LF LF split": plan_of(LF, cuts(LF, b"}\n", b'"the answer"}')),
     "[DONE] split": plan_of(LF, cuts(LF, b"data: [DO", b"[DONE]\n")),
