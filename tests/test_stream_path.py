@@ -324,3 +324,115 @@ def _dechunk(wire: bytes) -> bytes:
             return out
         out += wire[line_end + 2 : line_end + 2 + size]
         at = line_end + 2 + size + 2
+
+
+# -- the token-chunk fast path (proxy.token_chunk) is Proxy._one, state for state ----------
+
+
+def _guard() -> tuple[proxy.Proxy, object]:
+    from prometheus_client import CollectorRegistry
+
+    from mla_serve.sidecar.loops import LoopConfig, LoopGuard, LoopPolicy
+    from mla_serve.sidecar.runaways import Ledger
+
+    registry = CollectorRegistry()
+    config = LoopConfig(min_repeats=4, window_chars=512, min_chars=64)
+    loops = LoopGuard(LoopPolicy(action="stop", config=config), registry)
+    settings = proxy.ProxySettings(upstream="http://127.0.0.1:9")
+    return proxy.Proxy(settings, Ledger(registry, "t_"), loops, registry), loops
+
+
+def _state(completion: object, guard: object) -> object:
+    watches = {
+        index: (w.tokens, w.channel, w.loop, w.finished, w.detector.tail + "".join(w.detector.pieces))
+        for index, w in guard.watches.items()  # type: ignore[attr-defined]
+    }  # fmt: skip
+    return completion, watches, guard.head, guard.looping, guard.stopped  # type: ignore[attr-defined]
+
+
+def _classify(events: list[bytes], fast: bool) -> tuple[object, list[bytes], int]:
+    """Each event as the stream path takes it (fast: token chunks through token_chunk once
+    the stream's head is known), or every one through Proxy._one."""
+    from mla_serve.sidecar.runaways import Completion
+
+    sidecar, loops = _guard()
+    guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, "/v1/chat/completions")  # type: ignore[attr-defined]
+    completion = Completion()
+    head: bytes | None = None
+    out, taken = [], 0
+    for event in events:
+        if fast and head is not None and event.startswith(head):
+            stopped = proxy.token_chunk(event, head, completion, guard)
+            if stopped is not None:
+                taken += 1
+                out.append(event)
+                if stopped:
+                    break
+                continue
+        if head is None:
+            head = proxy.stream_head(event)
+        out.append(sidecar._one(event, completion, False, guard))
+        if guard.stopped:
+            break
+    return _state(completion, guard), out, taken
+
+
+def _recorded() -> list[list[bytes]]:
+    from pathlib import Path
+
+    streams = []
+    for path in sorted(Path(__file__).parent.glob("e2e/results/*/*/recorded_streams.json")):
+        for recorded in json.loads(path.read_text())["streams"]:
+            streams.append([text.encode() for _, text in recorded["chunks"]])
+    return streams
+
+
+def _token(text: bytes, channel: bytes = b"content", extra: bytes = b"") -> bytes:
+    return (
+        b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"' + channel + b'":"' + text + b'"},"logprobs":null,'
+        b'"finish_reason":null' + extra + b"}]}\n\n"
+    )
+
+
+ODD = [
+    _token(b"", b"content"),
+    _token(b"hello"),
+    _token(b"   ", b"content"),
+    _token(b"\\u00a0\\u2003", b"content"),  # Unicode spaces: not visible, as str.strip() says
+    _token(b'\\n\\t\\\\ \\"q\\" \\/', b"reasoning"),
+    _token(b"\\ud83d\\ude00 caf\xc3\xa9", b"content"),
+    _token(b"\xff broken utf-8"),  # not UTF-8: parsed whole (and not classified), as before
+    _token(b"\xed\xa0\x80 a lone surrogate, surrogatepass"),
+    _token(b"x", extra=b',"token_ids":null'),
+    _token(b"x", extra=b',"stop_reason":null'),  # another field: parsed whole
+    _token(b"tab\there"),  # a raw control character: invalid JSON, parsed whole
+    _token(b"\\u12"),  # a bad escape
+    _token(b"y", b"tool_calls"),
+    b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":01,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"z"},"logprobs":null,"finish_reason":null}]}\n\n',
+    b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"a","content":"b"},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n',
+    _token(b"w").replace(b'"finish_reason":null', b'"finish_reason":"length"'),
+]
+
+
+def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
+    """Every recorded vLLM stream, then odd token chunks after a real first chunk, then a
+    looping text (the guard stops it): the fast path leaves the runaway classifier and the
+    loop guard exactly where parsing every chunk whole does, and forwards the same bytes."""
+    taken = processed = 0
+    cases = _recorded()
+    first = _token(b"start").replace(b'{"content":"start"}', b'{"role":"assistant","content":""}')
+    cases += [[first, odd, _token(b"after")] for odd in ODD]
+    cases.append([first] + [_token(b"the same phrase again, ", b"reasoning")] * 40)
+    cases.append([first] + [_token(b"ab")] * 80 + [_token(b"", extra=b"")])
+    for events in cases:
+        fast_state, fast_out, used = _classify(events, fast=True)
+        assert (fast_state, fast_out) == _classify(events, fast=False)[:2], events[:2]
+        taken += used
+        processed += len(fast_out)
+    assert taken > 0.8 * processed  # the fast path took (nearly all) vLLM's token chunks
+    stopped = _classify(cases[-2], fast=True)[0]
+    assert stopped[-1] is True  # type: ignore[index]

@@ -39,6 +39,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ from yarl import URL
 from mla_serve.sidecar import sse, upstream
 from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
 from mla_serve.sidecar.routes import OPENAI_ROUTES, Routes, normalize
-from mla_serve.sidecar.runaways import Completion, Ledger
+from mla_serve.sidecar.runaways import Choice, Completion, Ledger
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -672,6 +673,7 @@ class Exchange:
         # streams
         self.completion = Completion()
         self.splitter: sse.Splitter | None = None
+        self.head_bytes: bytes | None = None  # what this stream's token chunks start with
         self.done = False
         # other bodies of a classified request, kept to classify a 200
         self.keep = False
@@ -695,6 +697,14 @@ class Exchange:
     def body(self, data: bytes) -> None:
         if self.finished:
             return
+        head = self.head_bytes
+        if head is not None and data.startswith(head) and not self.splitter.pieces:  # type: ignore[union-attr]
+            stopped = token_chunk(data, head, self.completion, self.request.guard)
+            if stopped is not None:
+                self._emit(data)
+                if stopped:
+                    self._finish(None)
+                return
         try:
             out = self._stream_body(data) if self.streamed else self._keep_body(data)
         except Exception as error:  # a bug must end this response, not the connection's loop
@@ -736,6 +746,8 @@ class Exchange:
             and b"\r" not in data
             and not splitter.skipping
         ):  # vLLM's shape: one whole `data: {...}` event per read
+            if self.head_bytes is None:
+                self.head_bytes = stream_head(data)
             return self.proxy._one(data, self.completion, request.strip_usage, guard)
         out, events, after = splitter.feed(data)
         if events:
@@ -1021,6 +1033,63 @@ def _httptools_cycle() -> type | None:
 
 
 _HTTPTOOLS_CYCLE = _httptools_cycle()
+
+
+# vLLM's token chunk, the bulk of every stream, read without parsing it whole. `_HEAD` is
+# what all of one stream's token chunks start with (id, object, created, model, the first
+# choice's index and delta): learnt from the first chunk of the stream that has it, then
+# compared byte for byte. `_TOKEN` is the rest, matched to the end of the event: one
+# `content` or `reasoning` string (JSON's string grammar, so the match ends where the string
+# does) and null logprobs and finish_reason, nothing else. A chunk that does not match both
+# exactly is parsed whole, as every chunk was before.
+_STRING = rb'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*'
+_HEAD = re.compile(
+    rb'data: \{"id":"[^"\\\x00-\x1f]*","object":"chat\.completion\.chunk",'
+    rb'"created":(?:0|[1-9][0-9]*),"model":"[^"\\\x00-\x1f]*","choices":\[\{"index":0,'
+    rb'"delta":\{"'
+)
+_TOKEN = re.compile(
+    rb'(content|reasoning)":"(' + _STRING + rb')"\},"logprobs":null,"finish_reason":null'
+    rb'(?:,"token_ids":null)?\}\](?:,"kv_transfer_params":null)?\}\n\n'
+)
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def stream_head(event: bytes) -> bytes | None:
+    """The bytes every token chunk of this event's stream starts with, when it has them."""
+    found = _HEAD.match(event)
+    return found.group(0) if found is not None else None
+
+
+def token_chunk(
+    event: bytes, head: bytes, completion: Completion, guard: ResponseGuard | None
+) -> bool | None:
+    """Classify `event` as `Proxy._one` would if it is a token chunk of the stream whose
+    head is `head` and the stream's id and model are known (its first chunk was parsed):
+    True/False, whether the loop guard stops the stream now; None when it is not one (then
+    parse it whole). Choice 0 gets visible content or the loop guard's text, as add_chunk
+    would give them: the string is decoded as json.loads decodes it."""
+    if completion.id is None or completion.model is None or (guard is not None and not guard.head):
+        return None
+    found = _TOKEN.fullmatch(event, len(head))
+    if found is None:
+        return None
+    raw = found.group(2)
+    try:
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    if b"\\" in raw:
+        text = _scanstring(text + '"', 0)[0]
+    choice = completion.choices.get(0)
+    if choice is None:
+        choice = completion.choices[0] = Choice()
+    content = found.group(1) == b"content"
+    if content and not choice.visible and text.strip():
+        choice.visible = True
+    if guard is None:
+        return False
+    return guard.add_token(0, "content" if content else "reasoning", text)
 
 
 # The scanner json.loads ends in (C, when _json is built), made for json's default decoder.
