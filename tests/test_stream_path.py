@@ -344,9 +344,9 @@ def _guard() -> tuple[proxy.Proxy, object]:
 
 def _state(completion: object, guard: object) -> object:
     watches = {
-        index: (w.tokens, w.channel, w.loop, w.finished, w.detector.tail + "".join(w.detector.pieces))
+        index: (w.tokens, w.channel, w.loop, w.finished, w.detector.tail, w.detector.pieces)
         for index, w in guard.watches.items()  # type: ignore[attr-defined]
-    }  # fmt: skip
+    }
     return completion, watches, guard.head, guard.looping, guard.stopped  # type: ignore[attr-defined]
 
 
