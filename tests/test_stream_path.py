@@ -425,7 +425,13 @@ def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
     taken = processed = 0
     cases = _recorded()
     first = _token(b"start").replace(b'{"content":"start"}', b'{"role":"assistant","content":""}')
-    cases += [[first, odd, _token(b"after")] for odd in ODD]
+    cases += [[first, odd, _token(b"after", b"reasoning")] for odd in ODD]
+    # A stream whose first chunk is not JSON (trailing garbage) but has the head: its id
+    # and model stay unknown, so its token chunks are parsed whole (they set them).
+    cases.append([first.replace(b"]}\n\n", b"]}x\n\n"), _token(b"a"), _token(b"b")])
+    # `"created":01` is not JSON: a head is never learnt from it.
+    zero = [e.replace(b'"created":1,', b'"created":01,') for e in (first, _token(b"c"))]
+    cases.append([zero[0], _token(b"valid"), zero[1], zero[1]])
     cases.append([first] + [_token(b"the same phrase again, ", b"reasoning")] * 40)
     cases.append([first] + [_token(b"ab")] * 80 + [_token(b"", extra=b"")])
     for events in cases:
