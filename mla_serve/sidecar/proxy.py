@@ -1247,22 +1247,27 @@ def _error_event(message: str) -> bytes:
 
 
 async def _cancel_on_disconnect(exchange: Awaitable[None], receive: Receive) -> None:
-    """Run the exchange; if the client goes away first, cancel it (closing upstream)."""
-    work = asyncio.ensure_future(exchange)
+    """Run the exchange in this task; if the client goes away first, cancel it (closing
+    upstream). One watcher task per request; the exchange is not a task of its own."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await exchange
+    except asyncio.CancelledError:
+        if not gone or task.uncancel() > 0:
+            raise  # cancelled from outside (shutdown): not ours to swallow
     finally:
-        for task in (work, watcher):
-            task.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
-    if not work.cancelled() and work.exception() is not None:
-        raise work.exception()  # type: ignore[misc]
+        watcher.cancel()
 
 
 async def _start(send: Send, response: aiohttp.ClientResponse, keep_length: bool = False) -> None:
