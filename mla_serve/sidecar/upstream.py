@@ -56,6 +56,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False  # reading paused by the consumer (back-pressure)
         self.keep = False
+        self.clock = pool.loop.time
         self.last_read = 0.0
 
     # -- used by the consumer ------------------------------------------------------------
@@ -103,7 +104,7 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         self.got_bytes = True
-        self.last_read = self.pool.loop.time()
+        self.last_read = self.clock()
         sink = self.sink
         try:
             self.parser.feed_data(data)
