@@ -11,7 +11,7 @@ import uvicorn
 
 
 class ServerThread:
-    def __init__(self, app: Any, lifespan: str = "on") -> None:
+    def __init__(self, app: Any, lifespan: str = "on", http: str = "auto") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -20,6 +20,7 @@ class ServerThread:
             port=self.port,
             log_level="warning",
             lifespan=lifespan,
+            http=http,  # type: ignore[arg-type]
             timeout_graceful_shutdown=1,  # stalled test handlers must not hold shutdown
         )
         self._server = uvicorn.Server(config)

@@ -60,6 +60,7 @@ class Sidecar:
                 max_json_values=settings.max_json_values,
                 max_event_bytes=settings.max_event_bytes,
                 max_headers=settings.max_headers,
+                upstream_client=settings_.upstream_client(settings),
                 routes=routes.OPENAI_ROUTES + settings_.extra_routes(settings),
                 trusted_proxies=settings_.trusted_proxies(settings),
                 http10_max_response_bytes=settings.max_body_bytes,

@@ -289,6 +289,20 @@ class ResponseGuard:
             self.stopped = True
         return self.stopped
 
+    def add_token(self, index: int, channel: str, text: str) -> bool:
+        """`add_chunk` for a chunk whose one choice (`index`) has a delta of one `channel`
+        ("reasoning" or "content") and no finish_reason, once `head` is set: vLLM's token
+        chunk, which the pass-through reads without parsing it whole (proxy.token_chunk)."""
+        watch = self.watches.get(index)
+        if watch is None:
+            watch = self.watches[index] = _Watch(TailDetector(self.config))
+        watch.tokens += 1
+        if text and watch.loop is None:
+            self._feed(watch, channel, text)
+        if self.looping and self.action == "stop" and self._all_looping():
+            self.stopped = True
+        return self.stopped
+
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
         if text.__class__ is not str or watch.loop is not None:
             return

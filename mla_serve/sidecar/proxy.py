@@ -39,6 +39,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,10 +48,10 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from yarl import URL
 
-from mla_serve.sidecar import sse
+from mla_serve.sidecar import sse, upstream
 from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
 from mla_serve.sidecar.routes import OPENAI_ROUTES, Routes, normalize
-from mla_serve.sidecar.runaways import Completion, Ledger
+from mla_serve.sidecar.runaways import Choice, Completion, Ledger
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -87,9 +88,30 @@ class ProxySettings:
     max_json_values: int = 1_000_000
     max_event_bytes: int = 4 * 1024 * 1024
     max_headers: int = 100
+    # "direct": chat/completions on upstream.py's client (needs httptools and a plain
+    # http:// URL without a path); "aiohttp": everything on aiohttp's client.
+    upstream_client: str = "aiohttp"
     routes: tuple[str, ...] = OPENAI_ROUTES
     trusted_proxies: tuple[Network, ...] = ()
     http10_max_response_bytes: int = 16 * 1024 * 1024
+
+
+def upstream_client(choice: str, url: str) -> str:
+    """The client `--upstream-client` (auto, direct, aiohttp) gives for vLLM's URL: direct
+    when it can serve it; ValueError when `direct` is asked for and cannot."""
+    usable = upstream.AVAILABLE and _plain_http(url)
+    if choice == "direct" and not usable:
+        raise ValueError(
+            "--upstream-client direct needs httptools and a plain http:// --vllm-url without a path"
+        )
+    if choice == "auto":
+        return "direct" if usable else "aiohttp"
+    return choice
+
+
+def _plain_http(url: str) -> bool:
+    parts = URL(url)
+    return parts.scheme == "http" and parts.path in ("", "/") and not parts.query_string
 
 
 class ClientGone(Exception):
@@ -190,8 +212,11 @@ class Proxy:
             registry if registry is not None else CollectorRegistry(), self.budget
         )
         self._session: aiohttp.ClientSession | None = None
+        self.pool: upstream.Pool | None = None  # the chat/completions client (upstream.py)
 
     async def start(self) -> None:
+        if self.settings.upstream_client == "direct":
+            self.pool = upstream.Pool(self.settings.upstream, self.settings.connect_timeout)
         self._session = aiohttp.ClientSession(
             base_url=self.settings.upstream,
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
@@ -208,6 +233,8 @@ class Proxy:
         return self._session
 
     async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         if self._session is not None:
             await self._session.close()
 
@@ -296,6 +323,9 @@ class Proxy:
     async def _exchange(
         self, scope: Scope, path: str, request: Request, send: Send, classify: bool
     ) -> None:
+        if classify and self.pool is not None:
+            await self._exchange_direct(scope, path, request, send)
+            return
         try:
             response = await self._request(scope, path, request, send)
         finally:
@@ -336,28 +366,60 @@ class Proxy:
         return None
 
     def _forward_headers(self, scope: Scope) -> list[tuple[str, str]]:
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._forwarded(scope)]
+
+    def _forwarded(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """The request headers vLLM gets: the client's less hop-by-hop ones, and
+        X-Forwarded-For/-Proto as this sidecar vouches for them."""
         named = _connection_tokens(scope["headers"])
-        headers: list[tuple[str, str]] = []
-        forwarded_for: list[str] = []
-        proto: str | None = None
+        headers: list[tuple[bytes, bytes]] = []
+        forwarded_for: list[bytes] = []
+        proto: bytes | None = None
         for key, value in scope["headers"]:
             name = key.lower()
             if name == b"x-forwarded-for":
-                forwarded_for.append(value.decode("latin-1"))
+                forwarded_for.append(value)
             elif name == b"x-forwarded-proto":
-                proto = value.decode("latin-1")
+                proto = value
             elif name not in NOT_FORWARDED and name not in named and not name.startswith(b"proxy-"):
-                headers.append((name.decode("latin-1"), value.decode("latin-1")))
+                headers.append((name, value))
         peer = (scope.get("client") or ("", 0))[0]
         trusted = bool(peer) and self._trusts(peer)
         if peer:
             if forwarded_for and trusted:
-                forwarded_for.append(peer)
+                forwarded_for.append(peer.encode("latin-1"))
             else:
-                forwarded_for = [peer]
-            headers.append(("x-forwarded-for", ", ".join(forwarded_for)))
-        headers.append(("x-forwarded-proto", proto if proto and trusted else scope["scheme"]))
+                forwarded_for = [peer.encode("latin-1")]
+            headers.append((b"x-forwarded-for", b", ".join(forwarded_for)))
+        scheme = scope["scheme"].encode("latin-1")
+        headers.append((b"x-forwarded-proto", proto if proto and trusted else scheme))
         return headers
+
+    def _request_bytes(self, scope: Scope, path: str, body: bytes) -> bytes:
+        """The request as written to vLLM by the direct client (upstream.py)."""
+        assert self.pool is not None
+        query = scope["query_string"]
+        target = path.encode("latin-1") + (b"?" + query if query else b"")
+        parts = [scope["method"].encode("latin-1"), b" ", target, b" HTTP/1.1\r\nhost: ",
+                 self.pool.authority, b"\r\n"]  # fmt: skip
+        for name, value in self._forwarded(scope):
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"content-length: %d\r\n\r\n" % len(body))
+        parts.append(body)
+        return b"".join(parts)
+
+    async def _exchange_direct(self, scope: Scope, path: str, request: Request, send: Send) -> None:
+        """A classified request on the direct client: the response is relayed and classified
+        from the upstream connection's callbacks (Exchange); this task sends the head, waits,
+        and sends what the callbacks could not write themselves."""
+        assert self.pool is not None
+        payload = self._request_bytes(scope, path, request.body[0] if request.body else b"")
+        self._release(request)  # the bytes are in `payload` now
+        exchange = Exchange(self, request, send)
+        try:
+            await exchange.run(payload)
+        finally:
+            exchange.close()
 
     def _trusts(self, peer: str) -> bool:
         if not self.settings.trusted_proxies:  # the default: no address to parse
@@ -570,6 +632,466 @@ class Proxy:
         return event
 
 
+class Exchange:
+    """One classified request through the direct client (upstream.py).
+
+    The upstream connection's callbacks (`head`, `body`, `end`, `lost`) do the work: a
+    stream's reads are classified as they are parsed and written to the client from the
+    same callback, with the chunked framing uvicorn's httptools protocol would give them,
+    straight onto its transport: no task switch, no ASGI message per chunk. That needs the
+    client's side to be uvicorn's httptools cycle (the sidecar's server), writable, and
+    the head already sent; otherwise (h11, HTTP/1.0, a client that reads slower than vLLM
+    writes) the bytes wait in `pending` and this request's task sends them through ASGI,
+    with vLLM's connection paused while more than `HIGH_WATER` bytes wait. The task sends
+    the head and the end, and answers the errors before a head."""
+
+    HIGH_WATER = 64 * 1024
+
+    def __init__(self, proxy: Proxy, request: Request, send: Send) -> None:
+        self.proxy = proxy
+        self.settings = proxy.settings
+        self.request = request
+        self.send = send
+        self.loop = asyncio.get_running_loop()
+        self.conn: upstream.Connection | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.status = 0
+        self.headers: upstream.Headers = []
+        self.streamed = False
+        self.started = False  # the head went to the client
+        self.complete = False  # vLLM's response ended as HTTP says it must
+        self.broken: str | None = None  # why vLLM's response broke off
+        self.retryable = False
+        self.idle_failure: str | None = None
+        self.finished = False  # nothing more is taken from vLLM
+        self.pending: list[bytes] = []
+        self.pending_size = 0
+        self.batch: list[bytes] = []  # this read's output, direct mode
+        self.direct: Any = None  # uvicorn's httptools cycle, once the head of a stream is out
+        self.writes = 0  # chunks written straight to the client's transport
+        self.idle_handle: asyncio.TimerHandle | None = None
+        # streams
+        self.completion = Completion()
+        self.splitter: sse.Splitter | None = None
+        self.head_bytes: bytes | None = None  # what this stream's token chunks start with
+        self.done = False
+        # other bodies of a classified request, kept to classify a 200
+        self.keep = False
+        self.kept: list[bytes] = []
+        self.kept_size = 0
+
+    # -- the upstream connection's callbacks ----------------------------------------------
+    def head(self, status: int, headers: upstream.Headers) -> None:
+        self.status = status
+        self.headers = headers
+        self.streamed = _media_type(headers) == b"text/event-stream"
+        if self.streamed:
+            proxy = self.proxy
+            self.splitter = sse.Splitter(
+                self.settings.max_event_bytes, proxy.budget.take, proxy.budget.give
+            )
+        else:
+            self.keep = status == 200
+        self._wake()
+
+    def body(self, data: bytes) -> None:
+        if self.finished:
+            return
+        head = self.head_bytes
+        if head is not None and data.startswith(head) and not self.splitter.pieces:  # type: ignore[union-attr]
+            stopped = token_chunk(data, head, self.completion, self.request.guard)
+            if stopped is not None:
+                self._emit(data)
+                if stopped:
+                    self._finish(None)
+                return
+        try:
+            out = self._stream_body(data) if self.streamed else self._keep_body(data)
+        except Exception as error:  # a bug must end this response, not the connection's loop
+            log.exception("classifying a response failed")
+            self._finish(f"the sidecar failed on vLLM's response: {_why(error)}")
+            return
+        if out:
+            self._emit(out)
+        guard = self.request.guard
+        if guard is not None and guard.stopped:
+            self._finish(None)
+
+    def end(self) -> None:
+        self.complete = True
+        self.finished = True
+        if self.conn is not None:
+            self.conn.release()
+            self.conn = None
+        self._wake()
+
+    def lost(self, why: str, retryable: bool) -> None:
+        self.broken = why
+        self.retryable = retryable
+        self.finished = True
+        self.conn = None
+        self._wake()
+
+    # -- classification, from the callbacks -------------------------------------------------
+    def _stream_body(self, data: bytes) -> bytes:
+        splitter = self.splitter
+        assert splitter is not None
+        request = self.request
+        guard = request.guard
+        if (
+            not splitter.pieces
+            and data.startswith(b"data: {")
+            and data.find(b"\n") == len(data) - 2
+            and data.endswith(b"\n\n")
+            and b"\r" not in data
+            and not splitter.skipping
+        ):  # vLLM's shape: one whole `data: {...}` event per read
+            if self.head_bytes is None:
+                self.head_bytes = stream_head(data)
+            return self.proxy._one(data, self.completion, request.strip_usage, guard)
+        out, events, after = splitter.feed(data)
+        if events:
+            observed, finished = self.proxy._observe(
+                events, self.completion, request.strip_usage, guard
+            )
+            out += observed
+            self.done = self.done or finished
+        if guard is None or not guard.stopped:
+            out += after
+        return out
+
+    def _keep_body(self, data: bytes) -> bytes:
+        if self.keep:
+            self.kept_size += len(data)
+            proxy = self.proxy
+            if self.kept_size <= self.settings.max_event_bytes and proxy.budget.take(len(data)):
+                self.kept.append(data)
+            else:  # too big, or no room now: relayed, not classified
+                self.keep = False
+                proxy._forget(self.kept)
+        return data
+
+    def _emit(self, out: bytes) -> None:
+        if self.direct is not None:
+            self.batch.append(out)  # written by fed(), once per read of vLLM's socket
+            return
+        self._queue(out)
+
+    def fed(self) -> None:
+        """After one read of vLLM's socket: what it gave, in one write to the client."""
+        if not self.batch:
+            return
+        out = self.batch[0] if len(self.batch) == 1 else b"".join(self.batch)
+        self.batch.clear()
+        cycle = self.direct
+        if not self.pending and not cycle.flow.write_paused and not cycle.disconnected:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(out), out))
+            self.writes += 1
+            return
+        self._queue(out)
+
+    def _queue(self, out: bytes) -> None:
+        self.pending.append(out)
+        self.pending_size += len(out)
+        if self.pending_size > self.HIGH_WATER and self.conn is not None:
+            self.conn.pause()
+        self._wake()
+
+    def _finish(self, failure: str | None) -> None:
+        """Take nothing more from vLLM: drop its connection (vLLM aborts the request)."""
+        self.finished = True
+        if failure is not None and self.broken is None:
+            self.broken = failure
+        if self.conn is not None:
+            self.conn.abort()
+            self.conn = None
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def _idle_check(self) -> None:
+        """One timer per response: fires every idle timeout; ends the body when vLLM has
+        been silent that long while the sidecar was waiting on it (not while paused)."""
+        self.idle_handle = None
+        conn = self.conn
+        if self.finished or conn is None:
+            return
+        idle = self.settings.idle_timeout
+        now = self.loop.time()
+        if conn.paused:
+            when = now + idle
+        elif now - conn.last_read >= idle:
+            self.idle_failure = f"vLLM sent nothing for {idle:g} s"
+            self._finish(self.idle_failure)
+            return
+        else:
+            when = conn.last_read + idle
+        self.idle_handle = self.loop.call_at(when, self._idle_check)
+
+    # -- the request's task -----------------------------------------------------------------
+    async def run(self, payload: bytes) -> None:
+        if not await self._request(payload):
+            return
+        if self.streamed:
+            await self._stream()
+        else:
+            await self._relay()
+
+    async def _request(self, payload: bytes) -> bool:
+        """Send the request and wait for the head; answer the client and return False when
+        there is none."""
+        proxy, settings = self.proxy, self.settings
+        assert proxy.pool is not None
+        deadline = self.loop.time() + settings.response_timeout
+        message: str | None = None
+        for _ in range(2):
+            self.broken, self.retryable, self.finished = None, False, False
+            try:
+                async with asyncio.timeout_at(deadline):
+                    conn = await proxy.pool.get()
+                    self.conn = conn
+                    conn.request(payload, self)
+                    while not self.status and not self.finished:
+                        await self._wait()
+            except TimeoutError:
+                if self.conn is None:  # connecting timed out
+                    message = f"vLLM is not reachable at {settings.upstream}: connect timeout"
+                    await _respond(self.send, 503, error_body(503, message, "upstream_unavailable"))
+                    return False
+                message = f"vLLM sent no response within {settings.response_timeout:g} s"
+                await _respond(self.send, 504, error_body(504, message, "upstream_timeout"))
+                return False
+            except OSError as error:
+                message = f"vLLM is not reachable at {settings.upstream}: {error}"
+                await _respond(self.send, 503, error_body(503, message, "upstream_unavailable"))
+                return False
+            if self.status:
+                self.idle_handle = self.loop.call_at(
+                    self.loop.time() + settings.idle_timeout, self._idle_check
+                )
+                return True
+            if not self.retryable:
+                break
+        message = f"vLLM failed before responding: {self.broken}"
+        await _respond(self.send, 502, error_body(502, message, "upstream_error"))
+        return False
+
+    async def _head(self, keep_length: bool) -> None:
+        named = _connection_tokens(self.headers)
+        headers = []
+        for name, value in self.headers:
+            lowered = name.lower()
+            if (
+                lowered not in NOT_RETURNED or (keep_length and lowered == b"content-length")
+            ) and lowered not in named:
+                headers.append((lowered, value))
+        await self.send({"type": "http.response.start", "status": self.status, "headers": headers})
+        self.started = True
+        cycle = _direct_cycle(self.send) if self.streamed else None
+        if cycle is not None and cycle.chunked_encoding is True:
+            self.direct = cycle
+
+    async def _flush(self) -> None:
+        """Send what waits in `pending` through ASGI, then let vLLM's bytes in again."""
+        while self.pending:
+            out = b"".join(self.pending)
+            self.pending.clear()
+            self.pending_size = 0
+            await self.send({"type": "http.response.body", "body": out, "more_body": True})
+        if self.conn is not None:
+            self.conn.resume()
+
+    async def _stream(self) -> None:
+        proxy, request = self.proxy, self.request
+        splitter = self.splitter
+        assert splitter is not None
+        try:
+            await self._head(keep_length=False)
+            while True:
+                await self._flush()
+                if self.finished:
+                    break
+                await self._wait()
+        except BaseException:
+            splitter.rest()  # gives its bytes back to the budget
+            raise
+        completion, guard = self.completion, request.guard
+        if splitter.oversized:
+            proxy.metrics.unparsed.inc(splitter.oversized)
+        tail = splitter.rest()
+        if guard is not None and guard.stopped:
+            # The loop guard ended it (_finish closed vLLM's connection, so vLLM aborts the
+            # request and frees its KV cache); the client gets a clean end instead of the rest.
+            ending = guard.ending(include_usage=not request.strip_usage)
+            await self.send({"type": "http.response.body", "body": ending})
+            guard.settle(completion)
+            proxy.ledger.record(completion, request.model)
+            return
+        failure = None
+        if self.idle_failure is not None:
+            failure = self.idle_failure
+        elif self.broken is not None:
+            failure = f"vLLM broke off the stream: {self.broken}"
+        elif not self.done:
+            failure = "vLLM ended the stream without [DONE]"
+        if failure is not None:
+            proxy.metrics.truncated.inc()
+            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                tail += b"\n\n"  # end the partial event, or the error event would join it
+            tail += _error_event(failure)
+        await self.send({"type": "http.response.body", "body": tail})
+        if guard is not None:
+            guard.settle(completion)
+        proxy.ledger.record(completion, request.model)
+
+    async def _relay(self) -> None:
+        proxy, request = self.proxy, self.request
+        try:
+            await self._head(keep_length=True)
+            while True:
+                await self._flush()
+                if self.finished:
+                    break
+                await self._wait()
+            if not self.complete:
+                proxy.metrics.truncated.inc()
+                why = self.idle_failure or self.broken
+                raise Aborted(f"vLLM's response broke off after its headers: {why}")
+            await self.send({"type": "http.response.body", "body": b""})
+            if self.status != 200:
+                return
+            completion = Completion()
+            try:
+                if not self.keep:
+                    raise ValueError("not kept to classify")
+                document = json.loads(b"".join(self.kept))
+                if not isinstance(document, dict):
+                    raise ValueError("not an object")
+                completion.add_body(document)
+                if request.guard is not None:
+                    request.guard.add_body(document)
+                    request.guard.settle(completion)
+            except (ValueError, TypeError, AttributeError, RecursionError):
+                proxy.metrics.unparsed.inc()
+                return
+            del document
+            proxy.ledger.record(completion, request.model)
+        finally:
+            proxy._forget(self.kept)
+
+    def close(self) -> None:
+        """Whatever happened (the client gone, an error): vLLM's connection dropped unless
+        its response ended, the timers stopped, held bytes given back."""
+        self.finished = True
+        if self.conn is not None:
+            self.conn.abort()
+            self.conn = None
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+            self.idle_handle = None
+        if self.splitter is not None:
+            self.splitter.rest()
+        self.proxy._forget(self.kept)
+        self.pending.clear()
+
+
+def _media_type(headers: upstream.Headers) -> bytes:
+    """The Content-Type's media type, lowercased, as aiohttp's `content_type` gives it."""
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.partition(b";")[0].strip().lower()
+    return b"application/octet-stream"
+
+
+def _direct_cycle(send: Send) -> Any:
+    """uvicorn's httptools request cycle behind `send`, when that is what it is: its
+    transport can be written to directly. None for anything else (h11, wrappers)."""
+    cycle = getattr(send, "__self__", None)
+    if _HTTPTOOLS_CYCLE is None or type(cycle) is not _HTTPTOOLS_CYCLE:
+        return None
+    return cycle
+
+
+def _httptools_cycle() -> type | None:
+    try:
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    except ImportError:
+        return None
+    needed = ("transport", "flow", "disconnected")
+    probe = RequestResponseCycle.__init__.__code__.co_names
+    return RequestResponseCycle if all(name in probe for name in needed) else None
+
+
+_HTTPTOOLS_CYCLE = _httptools_cycle()
+
+
+# vLLM's token chunk, the bulk of every stream, read without parsing it whole. `_HEAD` is
+# what all of one stream's token chunks start with (id, object, created, model, the first
+# choice's index and delta): learnt from the first chunk of the stream that has it, then
+# compared byte for byte. `_TOKEN` is the rest, matched to the end of the event: one
+# `content` or `reasoning` string (JSON's string grammar, so the match ends where the string
+# does) and null logprobs and finish_reason, nothing else. A chunk that does not match both
+# exactly is parsed whole, as every chunk was before.
+_STRING = rb'(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*'
+_HEAD = re.compile(
+    rb'data: \{"id":"[^"\\\x00-\x1f]*","object":"chat\.completion\.chunk",'
+    rb'"created":(?:0|[1-9][0-9]*),"model":"[^"\\\x00-\x1f]*","choices":\[\{"index":0,'
+    rb'"delta":\{"'
+)
+_TOKEN = re.compile(
+    rb'(content|reasoning)":"(' + _STRING + rb')"\},"logprobs":null,"finish_reason":null'
+    rb'(?:,"token_ids":null)?\}\](?:,"kv_transfer_params":null)?\}\n\n'
+)
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def stream_head(event: bytes) -> bytes | None:
+    """The bytes every token chunk of this event's stream starts with, when it has them."""
+    found = _HEAD.match(event)
+    return found.group(0) if found is not None else None
+
+
+def token_chunk(
+    event: bytes, head: bytes, completion: Completion, guard: ResponseGuard | None
+) -> bool | None:
+    """Classify `event` as `Proxy._one` would if it is a token chunk of the stream whose
+    head is `head` and the stream's id and model are known (its first chunk was parsed):
+    True/False, whether the loop guard stops the stream now; None when it is not one (then
+    parse it whole). Choice 0 gets visible content or the loop guard's text, as add_chunk
+    would give them: the string is decoded as json.loads decodes it."""
+    if completion.id is None or completion.model is None or (guard is not None and not guard.head):
+        return None
+    found = _TOKEN.fullmatch(event, len(head))
+    if found is None:
+        return None
+    raw = found.group(2)
+    try:
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    if b"\\" in raw:
+        text = _scanstring(text + '"', 0)[0]
+    choice = completion.choices.get(0)
+    if choice is None:
+        choice = completion.choices[0] = Choice()
+    content = found.group(1) == b"content"
+    if content and not choice.visible and text.strip():
+        choice.visible = True
+    if guard is None:
+        return False
+    return guard.add_token(0, "content" if content else "reasoning", text)
+
+
 # The scanner json.loads ends in (C, when _json is built), made for json's default decoder.
 _SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
@@ -725,22 +1247,27 @@ def _error_event(message: str) -> bytes:
 
 
 async def _cancel_on_disconnect(exchange: Awaitable[None], receive: Receive) -> None:
-    """Run the exchange; if the client goes away first, cancel it (closing upstream)."""
-    work = asyncio.ensure_future(exchange)
+    """Run the exchange in this task; if the client goes away first, cancel it (closing
+    upstream). One watcher task per request; the exchange is not a task of its own."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await exchange
+    except asyncio.CancelledError:
+        if not gone or task.uncancel() > 0:
+            raise  # cancelled from outside (shutdown): not ours to swallow
     finally:
-        for task in (work, watcher):
-            task.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
-    if not work.cancelled() and work.exception() is not None:
-        raise work.exception()  # type: ignore[misc]
+        watcher.cancel()
 
 
 async def _start(send: Send, response: aiohttp.ClientResponse, keep_length: bool = False) -> None:

@@ -49,6 +49,7 @@ class Settings:
     max_connections: int = 1024
     drain_timeout: float = 30.0
     extra_routes: str | None = None  # comma-separated, `*` for one segment
+    upstream_client: str = "auto"  # auto, direct (upstream.py), aiohttp: see proxy.upstream_client
     trusted_proxies: str | None = None  # comma-separated addresses/CIDRs whose XFF is kept
     # The optional canary: a long-prefix prompt sent periodically, counted apart.
     canary_prompt_file: Path | None = None
@@ -177,6 +178,13 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
         str,
         "addresses/CIDRs whose X-Forwarded-For is kept (appended to); others' is replaced",
     ),
+    (
+        "--upstream-client",
+        "MLA_SERVE_UPSTREAM_CLIENT",
+        str,
+        "pass-through client for chat/completions: direct (a bare HTTP/1.1 client, needs "
+        "httptools and an http:// --vllm-url), aiohttp, or auto: direct when usable (auto)",
+    ),
     ("--canary-prompt-file", "MLA_SERVE_CANARY_PROMPT_FILE", Path, "canary prompt; off when unset"),
     ("--canary-model", "MLA_SERVE_CANARY_MODEL", str, "canary model (default: the first served)"),
     (
@@ -275,6 +283,7 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
     try:
         extra_routes(settings)
         trusted_proxies(settings)
+        upstream_client(settings)
     except ValueError as error:
         raise SettingsError(str(error)) from None
     if settings.canary_prompt_file is not None and not settings.canary_prompt_file.is_file():
@@ -345,6 +354,16 @@ def _repetition_detection(text: str | None) -> dict[str, int] | None:
 
 def extra_routes(settings: Settings) -> tuple[str, ...]:
     return routes.parse_extra(settings.extra_routes or "")
+
+
+def upstream_client(settings: Settings) -> str:
+    """`direct` or `aiohttp`; ValueError when the choice is unknown or unusable."""
+    choice = settings.upstream_client
+    if choice not in ("auto", "direct", "aiohttp"):
+        raise ValueError(f"--upstream-client must be one of auto, direct, aiohttp, got {choice!r}")
+    from mla_serve.sidecar.proxy import upstream_client as choose
+
+    return choose(settings.upstream_client, settings.vllm_url)
 
 
 def trusted_proxies(

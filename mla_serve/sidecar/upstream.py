@@ -1,0 +1,206 @@
+"""A keep-alive HTTP/1.1 client to vLLM on a bare asyncio Protocol (httptools' parser).
+
+The pass-through's chat and completion requests go through here when httptools is
+installed (vLLM's image has it: uvicorn[standard]) and vLLM's URL is plain http. Each
+response is handed to a `Sink` from the connection's own callbacks: the status and headers
+once, then every piece of the body as the parser frees it from the transfer coding, then
+the end, or why it broke off. No stream reader, no task switch per read: whoever consumes
+the body (proxy.Exchange) does it inside `data_received`.
+
+Connections are kept for reuse after a complete response that allows it, for at most
+`keepalive` seconds idle (uvicorn, vLLM's server, closes idle ones after 5 s). A request
+written on a reused connection that the server closes before any byte of a response came
+back is reported as `retryable`: the server closed it idle, the request was never read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+from urllib.parse import urlsplit
+
+try:
+    import httptools
+except ImportError:  # not in every install: the pass-through then uses aiohttp alone
+    httptools = None  # type: ignore[assignment]
+
+AVAILABLE = httptools is not None
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Sink(Protocol):
+    """The consumer of one response; called from the connection's callbacks."""
+
+    def head(self, status: int, headers: Headers) -> None: ...
+    def body(self, data: bytes) -> None: ...
+    def fed(self) -> None: ...  # after the body pieces of one read: a place to batch writes
+    def end(self) -> None: ...
+    def lost(self, why: str, retryable: bool) -> None: ...
+
+
+class Connection(asyncio.Protocol):
+    """One connection to vLLM; one request at a time."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.sink: Sink | None = None
+        self.headers: Headers = []
+        self.informational = False
+        self.until_close = False  # a body without length: it ends when the connection does
+        self.in_body = False
+        self.got_bytes = False  # any byte of a response to the current request
+        self.reused = False
+        self.closed = False
+        self.paused = False  # reading paused by the consumer (back-pressure)
+        self.keep = False
+        self.clock = pool.loop.time
+        self.last_read = 0.0
+
+    # -- used by the consumer ------------------------------------------------------------
+    def request(self, payload: bytes, sink: Sink) -> None:
+        assert self.transport is not None and self.sink is None
+        self.sink = sink
+        self.headers = []
+        self.got_bytes = False
+        self.in_body = False
+        self.last_read = self.pool.loop.time()
+        self.transport.write(payload)
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.last_read = self.pool.loop.time()
+            if not self.closed:
+                self.transport.resume_reading()
+
+    def abort(self) -> None:
+        """Drop the connection (vLLM aborts a request whose client went away)."""
+        self.sink = None
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def release(self) -> None:
+        """After the sink saw `end()`: back to the pool when the response allows it."""
+        self.sink = None
+        if self.paused:
+            self.resume()
+        self.pool.put(self)
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self.sink is None:  # bytes nobody asked for: the connection is unusable
+            self.abort()
+            return
+        self.got_bytes = True
+        self.last_read = self.clock()
+        sink = self.sink
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            self.sink = None
+            self.abort()
+            sink.fed()
+            sink.lost(f"malformed HTTP from vLLM: {error}", False)
+            return
+        sink.fed()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        sink, self.sink = self.sink, None
+        if sink is None:
+            return
+        if self.until_close and self.in_body:
+            sink.end()  # a body delimited by the connection's end is complete now
+            return
+        why = "the connection closed" if exc is None else f"{type(exc).__name__}: {exc}"
+        sink.lost(why, self.reused and not self.got_bytes)
+
+    # -- httptools callbacks ---------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # 1xx: another head follows
+            self.informational = True
+            self.headers = []
+            return
+        self.in_body = True
+        chunked = length = False
+        for name, value in self.headers:
+            lowered = name.lower()
+            if lowered == b"content-length":
+                length = True
+            elif lowered == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        self.until_close = not (chunked or length) and status not in (204, 304)
+        if self.sink is not None:
+            self.sink.head(status, self.headers)
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.sink.body(body)
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        self.in_body = False
+        self.keep = self.parser.should_keep_alive() and not self.until_close
+        sink = self.sink
+        if sink is not None:
+            sink.end()
+
+
+class Pool:
+    """Idle keep-alive connections to one vLLM, newest first."""
+
+    def __init__(self, url: str, connect_timeout: float, keepalive: float = 4.0) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.path not in ("", "/") or parts.hostname is None:
+            raise ValueError(f"not a plain http:// origin: {url}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.authority = parts.netloc.rpartition("@")[2].encode("latin-1")
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive
+        self.idle: list[tuple[Connection, float]] = []
+        self.loop = asyncio.get_running_loop()
+
+    async def get(self) -> Connection:
+        """A connection: an idle one, or a new one (OSError, TimeoutError on failure)."""
+        now = self.loop.time()
+        while self.idle:
+            conn, since = self.idle.pop()
+            if not conn.closed and now - since < self.keepalive:
+                conn.reused = True
+                return conn
+            conn.abort()
+        async with asyncio.timeout(self.connect_timeout):
+            _, conn = await self.loop.create_connection(
+                lambda: Connection(self), self.host, self.port
+            )
+        return conn
+
+    def put(self, conn: Connection) -> None:
+        if conn.closed or not conn.keep or conn.sink is not None:
+            conn.abort()
+            return
+        self.idle.append((conn, self.loop.time()))
+
+    def close(self) -> None:
+        for conn, _ in self.idle:
+            conn.abort()
+        self.idle.clear()

@@ -1,0 +1,444 @@
+"""The pass-through's stream path on odd upstream bytes: a scripted upstream on raw sockets.
+
+The upstream here is a CPU stand-in, not vLLM: it answers every chat request with bytes
+fixed by the test (vLLM's chunk format, tests/vllm_standin.py's shapes), cut into HTTP
+chunks and TCP writes at the places a parser can get wrong: inside `data:`, between CR
+and LF, inside `[DONE]`, inside a chunk's size line, one byte at a time. Through the
+sidecar (uvicorn on httptools, which the direct client writes to itself, and on h11,
+where it goes through ASGI), with each upstream client (`direct`: mla_serve/sidecar/
+upstream.py; `aiohttp`), the client must get every byte unchanged and the sidecar must
+count every completion exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from http_server import ServerThread
+from scrape import count
+
+from mla_serve.sidecar import proxy, upstream
+from mla_serve.sidecar.app import create_app
+from mla_serve.sidecar.settings import Settings
+
+MODEL = "glm-5.3-flash"
+Plan = list[tuple[bytes, float]]  # raw bytes to write, then seconds to wait
+
+
+def chunk(delta: dict[str, object], finish: str | None = None, end: bytes = b"\n\n") -> bytes:
+    document = {
+        "id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }  # fmt: skip
+    return b"data: " + json.dumps(document, separators=(",", ":")).encode() + end
+
+
+def usage(end: bytes = b"\n\n") -> bytes:
+    document = {
+        "id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+        "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+    }  # fmt: skip
+    return b"data: " + json.dumps(document, separators=(",", ":")).encode() + end
+
+
+def events(end: bytes = b"\n\n", finish: str = "stop") -> bytes:
+    """A whole stream as vLLM sends it (with usage): role, reasoning, content, finish, [DONE]."""
+    return b"".join([
+        chunk({"role": "assistant", "content": ""}, end=end),
+        chunk({"reasoning": "think \u00e9 \\ \"q\""}, end=end),
+        chunk({"content": "the answer"}, end=end),
+        chunk({"content": ""}, finish, end=end),
+        usage(end),
+        b"data: [DONE]" + end,
+    ])  # fmt: skip
+
+
+def multiline() -> bytes:
+    """Events whose data spans several `data:` lines (joined by LF: still one JSON text), a
+    comment, an `event:` field and an `id:` field, as the SSE grammar allows."""
+    first = chunk({"content": "multi"})[len(b"data: ") : -2]
+    cut = first.index(b',"choices"')
+    return (
+        chunk({"role": "assistant", "content": ""})
+        + b": keep-alive comment\n\n"
+        + b"event: message\nid: 1\ndata: "
+        + first[:cut]
+        + b"\ndata: "
+        + first[cut:]
+        + b"\n\n"
+        + chunk({"content": ""}, "length")
+        + usage()
+        + b"data: [DONE]\n\n"
+    )
+
+
+def http_chunks(pieces: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces if piece)
+
+
+HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+
+
+def cuts(body: bytes, *marks: bytes) -> list[bytes]:
+    """`body` cut just after the first occurrence of each mark."""
+    points = sorted(body.index(mark) + len(mark) for mark in marks)
+    return [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
+
+
+def random_pieces(body: bytes, seed: int, largest: int) -> list[bytes]:
+    rng = random.Random(seed)
+    pieces, at = [], 0
+    while at < len(body):
+        size = rng.randint(1, largest)
+        pieces.append(body[at : at + size])
+        at += size
+    return pieces
+
+
+class Scripted:
+    """A raw-socket HTTP/1.1 server: each request gets the next plan's writes, in order."""
+
+    def __init__(self) -> None:
+        self.plans: list[Plan] = []
+        self.requests: list[bytes] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> Scripted:
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop
+        ).result(10)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            self.server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                path = head.split(b" ", 2)[1]
+                if not path.startswith(b"/v1/chat/completions"):  # the sidecar's own probes
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
+                self.requests.append(body)
+                close = True
+                for data, pause in self.plans.pop(0):
+                    if data == b"<close>":
+                        break
+                    writer.write(data)
+                    await writer.drain()
+                    await asyncio.sleep(pause)
+                else:
+                    close = False
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+def scripted() -> Iterator[Scripted]:
+    server = Scripted().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["direct", "aiohttp"])
+def client_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=["httptools", "h11"])
+def sidecar(
+    request: pytest.FixtureRequest, scripted: Scripted, client_kind: str
+) -> Iterator[Callable[[], str]]:
+    servers: list[ServerThread] = []
+
+    def start() -> str:
+        settings = Settings(vllm_url=scripted.url, poll_interval=0.2,
+                            upstream_client=client_kind, stream_idle_timeout=2.0)  # fmt: skip
+        servers.append(ServerThread(create_app(settings), http=request.param).start())
+        return servers[-1].url
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def stream(url: str, include_usage: bool = True) -> bytes:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if include_usage:
+        request["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=request, timeout=20) as response:
+        assert response.status_code == 200
+        return b"".join(response.iter_raw())
+
+
+def plan_of(body: bytes, pieces: list[bytes], pause: float = 0.002) -> Plan:
+    """The head, then each piece as one HTTP chunk in its own TCP write, then the last chunk."""
+    assert b"".join(pieces) == body
+    return [(HEAD, pause), *((http_chunks([p]), pause) for p in pieces), (b"0\r\n\r\n", 0.0)]
+
+
+def framing_split(body: bytes, seed: int) -> Plan:
+    """HTTP chunks of random sizes whose framing itself (size line, CRLF) is cut across TCP
+    writes at random places."""
+    wire = HEAD + http_chunks(random_pieces(body, seed, 60)) + b"0\r\n\r\n"
+    return [(piece, 0.001) for piece in random_pieces(wire, seed + 1, 25)]
+
+
+LF = events()
+CRLF = events(b"\r\n\r\n")
+CASES: dict[str, Plan] = {
+    "one event per chunk": plan_of(LF, [e + b"\n\n" for e in LF.split(b"\n\n")[:-1]]),
+    "data: split": plan_of(LF, cuts(LF, b"da", b"}\n\nda", b"data:")),
+    "LF LF split": plan_of(LF, cuts(LF, b"}\n", b'"the answer"}')),
+    "[DONE] split": plan_of(LF, cuts(LF, b"data: [DO", b"[DONE]\n")),
+    "CRLF split between CR and LF": plan_of(CRLF, cuts(CRLF, b"}\r", b"}\r\n\r", b"[DONE]\r")),
+    "CRLF one byte at a time": plan_of(CRLF, [CRLF[i : i + 1] for i in range(len(CRLF))], 0),
+    "LF random pieces": plan_of(LF, random_pieces(LF, 1, 40), 0.001),
+    "framing split": framing_split(LF, 5),
+    "multi-line events": plan_of(multiline(), random_pieces(multiline(), 2, 30), 0.001),
+    "everything in one write": [(HEAD + http_chunks([LF]) + b"0\r\n\r\n", 0.0)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_odd_chunkings_pass_unchanged_and_count_once(sidecar, scripted, case: str) -> None:
+    url = sidecar()
+    plan = CASES[case]
+    body = b"".join(piece for piece, _ in plan).partition(b"\r\n\r\n")[2]
+    sent = _dechunk(body)
+    finish = "length" if case == "multi-line events" else "stop"
+    scripted.plans.append(plan)
+    received = stream(url)
+    assert received == sent
+    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason=finish) == 1
+    assert count(url, "mla_serve_unparsed_events_total") == 0
+    assert count(url, "mla_serve_truncated_responses_total") == 0
+
+
+def test_the_usage_the_sidecar_asked_for_is_dropped_across_odd_reads(sidecar, scripted):
+    url = sidecar()
+    scripted.plans.append(plan_of(CRLF, random_pieces(CRLF, 3, 7), 0))
+    received = stream(url, include_usage=False)
+    assert received == CRLF.replace(usage(b"\r\n\r\n"), b"")
+    assert json.loads(scripted.requests[-1])["stream_options"] == {"include_usage": True}
+    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+
+
+@pytest.mark.parametrize("cut", [b'"the ans', b"data: [DO", b"}\n"])
+def test_upstream_closing_mid_event_ends_with_an_error_event(sidecar, scripted, cut: bytes):
+    """vLLM's connection closes inside an event (no last chunk): the client gets every byte
+    sent, the partial event ended, then an error event; no [DONE]; one truncation counted."""
+    url = sidecar()
+    sent = LF[: LF.index(cut) + len(cut)]
+    scripted.plans.append([*plan_of(sent, random_pieces(sent, 4, 50))[:-1], (b"<close>", 0.0)])
+    received = stream(url)
+    assert received.startswith(sent)
+    rest = received[len(sent) :]
+    if not sent.endswith(b"\n\n"):
+        assert rest.startswith(b"\n\n")
+    error = json.loads(rest.strip().removeprefix(b"data: "))
+    assert error["error"]["type"] == "upstream_error"
+    assert b"[DONE]\n\n" not in received
+    assert count(url, "mla_serve_truncated_responses_total") == 1
+
+
+def test_a_stream_that_stalls_ends_within_the_idle_timeout(sidecar, scripted):
+    url = sidecar()
+    first = LF[: LF.index(b"\n\n") + 2]
+    scripted.plans.append([(HEAD, 0.0), (http_chunks([first]), 30.0)])
+    received = stream(url)
+    assert received.startswith(first) and b"sent nothing for 2 s" in received
+
+
+def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, client_kind):
+    """Three streams in a row on one sidecar; between them the upstream closes the kept
+    connection (as uvicorn does after its keep-alive timeout): the next request must not
+    fail for it."""
+    settings = Settings(vllm_url=scripted.url, poll_interval=30, upstream_client=client_kind)
+    server = ServerThread(create_app(settings)).start()
+    try:
+        scripted.plans.append(plan_of(LF, [LF]))
+        assert stream(server.url) == LF
+        scripted.plans.append([*plan_of(LF, [LF]), (b"<close>", 0.0)])  # closed after answer
+        assert stream(server.url) == LF
+        scripted.plans.append(plan_of(LF, [LF]))
+        assert stream(server.url) == LF
+        assert count(server.url, "mla_serve_completions_total", model=MODEL,
+                     finish_reason="stop") == 3  # fmt: skip
+    finally:
+        server.stop()
+
+
+def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
+    assert upstream.AVAILABLE  # httptools is a test dependency, as it is in vLLM's image
+    assert proxy.upstream_client("auto", "http://127.0.0.1:8000") == "direct"
+    assert proxy.upstream_client("auto", "https://vllm:8000") == "aiohttp"
+    assert proxy.upstream_client("auto", "http://vllm:8000/prefix") == "aiohttp"
+    with pytest.raises(ValueError, match="direct needs httptools"):
+        proxy.upstream_client("direct", "https://vllm:8000")
+    # uvicorn's httptools cycle is recognised, so the stream path writes to its transport
+    assert proxy._HTTPTOOLS_CYCLE is not None
+
+
+def _dechunk(wire: bytes) -> bytes:
+    """The payload of a chunked body."""
+    out, at = b"", 0
+    while True:
+        line_end = wire.index(b"\r\n", at)
+        size = int(wire[at:line_end], 16)
+        if size == 0:
+            return out
+        out += wire[line_end + 2 : line_end + 2 + size]
+        at = line_end + 2 + size + 2
+
+
+# -- the token-chunk fast path (proxy.token_chunk) is Proxy._one, state for state ----------
+
+
+def _guard() -> tuple[proxy.Proxy, object]:
+    from prometheus_client import CollectorRegistry
+
+    from mla_serve.sidecar.loops import LoopConfig, LoopGuard, LoopPolicy
+    from mla_serve.sidecar.runaways import Ledger
+
+    registry = CollectorRegistry()
+    config = LoopConfig(min_repeats=4, window_chars=512, min_chars=64)
+    loops = LoopGuard(LoopPolicy(action="stop", config=config), registry)
+    settings = proxy.ProxySettings(upstream="http://127.0.0.1:9")
+    return proxy.Proxy(settings, Ledger(registry, "t_"), loops, registry), loops
+
+
+def _state(completion: object, guard: object) -> object:
+    watches = {
+        index: (w.tokens, w.channel, w.loop, w.finished, w.detector.tail, w.detector.pieces)
+        for index, w in guard.watches.items()  # type: ignore[attr-defined]
+    }
+    return completion, watches, guard.head, guard.looping, guard.stopped  # type: ignore[attr-defined]
+
+
+def _classify(events: list[bytes], fast: bool) -> tuple[object, list[bytes], int]:
+    """Each event as the stream path takes it (fast: token chunks through token_chunk once
+    the stream's head is known), or every one through Proxy._one."""
+    from mla_serve.sidecar.runaways import Completion
+
+    sidecar, loops = _guard()
+    guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, "/v1/chat/completions")  # type: ignore[attr-defined]
+    completion = Completion()
+    head: bytes | None = None
+    out, taken = [], 0
+    for event in events:
+        if fast and head is not None and event.startswith(head):
+            stopped = proxy.token_chunk(event, head, completion, guard)
+            if stopped is not None:
+                taken += 1
+                out.append(event)
+                if stopped:
+                    break
+                continue
+        if head is None:
+            head = proxy.stream_head(event)
+        out.append(sidecar._one(event, completion, False, guard))
+        if guard.stopped:
+            break
+    return _state(completion, guard), out, taken
+
+
+def _recorded() -> list[list[bytes]]:
+    from pathlib import Path
+
+    streams = []
+    for path in sorted(Path(__file__).parent.glob("e2e/results/*/*/recorded_streams.json")):
+        for recorded in json.loads(path.read_text())["streams"]:
+            streams.append([text.encode() for _, text in recorded["chunks"]])
+    return streams
+
+
+def _token(text: bytes, channel: bytes = b"content", extra: bytes = b"") -> bytes:
+    return (
+        b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"' + channel + b'":"' + text + b'"},"logprobs":null,'
+        b'"finish_reason":null' + extra + b"}]}\n\n"
+    )
+
+
+ODD = [
+    _token(b"", b"content"),
+    _token(b"hello"),
+    _token(b"   ", b"content"),
+    _token(b"\\u00a0\\u2003", b"content"),  # Unicode spaces: not visible, as str.strip() says
+    _token(b'\\n\\t\\\\ \\"q\\" \\/', b"reasoning"),
+    _token(b"\\ud83d\\ude00 caf\xc3\xa9", b"content"),
+    _token(b"\xff broken utf-8"),  # not UTF-8: parsed whole (and not classified), as before
+    _token(b"\xed\xa0\x80 a lone surrogate, surrogatepass"),
+    _token(b"x", extra=b',"token_ids":null'),
+    _token(b"x", extra=b',"stop_reason":null'),  # another field: parsed whole
+    _token(b"tab\there"),  # a raw control character: invalid JSON, parsed whole
+    _token(b"\\u12"),  # a bad escape
+    _token(b"y", b"tool_calls"),
+    b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":01,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"z"},"logprobs":null,"finish_reason":null}]}\n\n',
+    b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"a","content":"b"},"logprobs":null,'
+    b'"finish_reason":null}]}\n\n',
+    _token(b"w").replace(b'"finish_reason":null', b'"finish_reason":"length"'),
+]
+
+
+def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
+    """Every recorded vLLM stream, then odd token chunks after a real first chunk, then a
+    looping text (the guard stops it): the fast path leaves the runaway classifier and the
+    loop guard exactly where parsing every chunk whole does, and forwards the same bytes."""
+    taken = processed = 0
+    cases = _recorded()
+    first = _token(b"start").replace(b'{"content":"start"}', b'{"role":"assistant","content":""}')
+    cases += [[first, odd, _token(b"after", b"reasoning")] for odd in ODD]
+    # A stream whose first chunk is not JSON (trailing garbage) but has the head: its id
+    # and model stay unknown, so its token chunks are parsed whole (they set them).
+    cases.append([first.replace(b"]}\n\n", b"]}x\n\n"), _token(b"a"), _token(b"b")])
+    # `"created":01` is not JSON: a head is never learnt from it.
+    zero = [e.replace(b'"created":1,', b'"created":01,') for e in (first, _token(b"c"))]
+    cases.append([zero[0], _token(b"valid"), zero[1], zero[1]])
+    cases.append([first] + [_token(b"the same phrase again, ", b"reasoning")] * 40)
+    cases.append([first] + [_token(b"ab")] * 80 + [_token(b"", extra=b"")])
+    for events in cases:
+        fast_state, fast_out, used = _classify(events, fast=True)
+        assert (fast_state, fast_out) == _classify(events, fast=False)[:2], events[:2]
+        taken += used
+        processed += len(fast_out)
+    assert taken > 0.8 * processed  # the fast path took (nearly all) vLLM's token chunks
+    stopped = _classify(cases[-2], fast=True)[0]
+    assert stopped[-1] is True  # type: ignore[index]
