@@ -442,3 +442,20 @@ def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
     assert taken > 0.8 * processed  # the fast path took (nearly all) vLLM's token chunks
     stopped = _classify(cases[-2], fast=True)[0]
     assert stopped[-1] is True  # type: ignore[index]
+
+
+def test_an_unusable_upstream_client_is_refused_at_start() -> None:
+    import argparse
+
+    from mla_serve.sidecar import settings as settings_
+
+    parser = argparse.ArgumentParser()
+    settings_.add_arguments(parser)
+    for argv, message in (
+        (["--upstream-client", "curl"], "must be one of auto, direct, aiohttp"),
+        (["--upstream-client", "direct", "--vllm-url", "https://vllm:8000"], "direct needs"),
+    ):
+        with pytest.raises(settings_.SettingsError, match=message):
+            settings_.from_arguments(parser.parse_args(argv), environ={})
+    chosen = settings_.from_arguments(parser.parse_args([]), environ={})
+    assert settings_.upstream_client(chosen) == "direct"

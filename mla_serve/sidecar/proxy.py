@@ -414,12 +414,13 @@ class Proxy:
         and sends what the callbacks could not write themselves."""
         assert self.pool is not None
         payload = self._request_bytes(scope, path, request.body[0] if request.body else b"")
-        self._release(request)  # the bytes are in `payload` now
+        request.body.clear()  # the bytes are in `payload`; the budget is given back once sent
         exchange = Exchange(self, request, send)
         try:
             await exchange.run(payload)
         finally:
             exchange.close()
+            self._release(request)
 
     def _trusts(self, peer: str) -> bool:
         if not self.settings.trusted_proxies:  # the default: no address to parse
@@ -861,6 +862,7 @@ class Exchange:
                     conn = await proxy.pool.get()
                     self.conn = conn
                     conn.request(payload, self)
+                    proxy._release(self.request)  # written: its budget back (once)
                     while not self.status and not self.finished:
                         await self._wait()
             except TimeoutError:
