@@ -345,4 +345,4 @@ def _check_series(name: str, series: Series, kind: Any) -> None:
     if series.info_label is not None:
         own.add(series.info_label)
     if (series.sample == "info") != (series.info_label is not None) or set(series.labels) != own:
-        raise ValueError(f"{series.name}: labels {series.labels} do not match its rule")
+        raise ValueError(f"{name}: {series.name}'s labels {series.labels} do not fit its rule")
