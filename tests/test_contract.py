@@ -65,26 +65,35 @@ def _scenario(found: engine.Engine) -> dict[str, Any]:
     return {"metrics": _families(text), "status_engine": doc["engine"]}
 
 
-def test_metrics_status_and_rank_files_are_those_of_before_the_contract(tmp_path: Path) -> None:
+def test_what_was_exposed_before_the_contract_is_exposed_unchanged(tmp_path: Path) -> None:
+    """Every metric family of before (name, type, help, every sample with its labels and
+    value) and every /status figure (value and source) is there unchanged; a figure added
+    since may only add. Rank files: the plugin writes every key it wrote before, with the same
+    value (an older sidecar reads it as before), and the older plugin's files read back as the
+    same records (a newer sidecar reads an older engine)."""
     recorded = json.loads((FIXTURES / "recorded-f8c48ab.json").read_text())
-    records = [contract.decode({"schema": 1, **raw}) for raw in json.loads(
-        (FIXTURES / "ranks.json").read_text()
-    )]  # fmt: skip
-    files = {}
-    for record in records:
+    raws = json.loads((FIXTURES / "ranks.json").read_text())
+    for record in (contract.decode({"schema": 1, **raw}) for raw in raws):
         path = state.write(tmp_path / "state", record)
-        files[path.name] = path.read_text()
-    assert files == recorded["rank_files"]  # byte for byte: an older sidecar reads them
+        before = json.loads(recorded["rank_files"][path.name])
+        now = json.loads(path.read_text())
+        assert {key: now.get(key, "absent") for key in before} == before
+        assert contract.decode(before) == record
     plugin = _scenario(engine.read(tmp_path / "state", None))
     log = vllm_log.LogFile(FIXTURES / "vllm.log")
     log.refresh()
     logged = _scenario(engine.read(None, log))
     for name, now in (("plugin", plugin), ("log", logged)):
         before = recorded[name]
-        assert set(now["metrics"]) == set(before["metrics"]), name
-        for family, exposed in now["metrics"].items():
-            assert exposed == before["metrics"][family], (name, family)
-        assert now["status_engine"] == before["status_engine"], name
+        for family, exposed in before["metrics"].items():
+            assert now["metrics"].get(family) == exposed, (name, family)
+        ranks = now["status_engine"]["ranks"]
+        assert [rank["rank"] for rank in ranks] == [
+            r["rank"] for r in before["status_engine"]["ranks"]
+        ]
+        for rank, old in zip(ranks, before["status_engine"]["ranks"], strict=True):
+            figures = {key: rank["figures"].get(key) for key in old["figures"]}
+            assert figures == old["figures"], (name, rank["rank"])
     # The exposition's text, as tests matching it as text see it.
     text = _exposition(engine.read(tmp_path / "state", None))
     assert 'mla_serve_cudagraph_mode_info{mode="PIECEWISE",rank="1"} 1.0' in text
