@@ -30,6 +30,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Union, get_args, get_origin
 
@@ -240,64 +241,93 @@ def jsonable(value: object) -> Any:
     return value
 
 
+Decoder = Callable[[object, str], object]  # (JSON value, where it is) -> the typed value
+
+
 def _decode(kind: Any, value: object, where: str) -> object:
-    origin, args = get_origin(kind), get_args(kind)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [arg for arg in args if arg is not type(None)]  # only `X | None` is used
-        return _decode(inner, value, where)
-    if origin is Literal:
-        if not any(value == arg and type(value) is type(arg) for arg in args):
-            raise ContractError(f"{where}: expected one of {list(args)}, got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ContractError(f"{where}: expected a list, got {_kind(value)}")
-        return tuple(_decode(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
-    if dataclasses.is_dataclass(kind):
-        assert isinstance(kind, type)
-        if not isinstance(value, dict):
-            raise ContractError(f"{where}: expected an object, got {_kind(value)}")
-        hints = _hints(kind)
-        found = {}
-        for field in dataclasses.fields(kind):
-            path = f"{where}.{field.name}" if where else field.name
-            if field.name in value:
-                found[field.name] = _decode(hints[field.name], value[field.name], path)
-            elif field.default is dataclasses.MISSING:
-                raise ContractError(f"{path}: missing")
-        return kind(**found)
-    return _scalar(kind, value, where)
+    return _decoder(kind)(value, where)
 
 
 @functools.cache
-def _hints(kind: type) -> dict[str, Any]:
-    return typing.get_type_hints(kind)
+def _decoder(kind: Any) -> Decoder:
+    """A checking converter for one declared type, built once (a scrape decodes every file)."""
+    origin, args = get_origin(kind), get_args(kind)
+    if origin in (Union, types.UnionType):
+        (inner,) = [arg for arg in args if arg is not type(None)]  # only `X | None` is used
+        present = _decoder(inner)
+        return lambda value, where: None if value is None else present(value, where)
+    if origin is Literal:
+        return functools.partial(_literal, args)
+    if origin is tuple:
+        return functools.partial(_tuple, _decoder(args[0]))
+    if dataclasses.is_dataclass(kind):
+        assert isinstance(kind, type)
+        hints = typing.get_type_hints(kind)
+        fields = tuple(
+            (f.name, _decoder(hints[f.name]), f.default is dataclasses.MISSING)
+            for f in dataclasses.fields(kind)
+        )
+        return functools.partial(_object, kind, fields)
+    if kind in _SCALARS:
+        return _SCALARS[kind]
+    raise TypeError(f"the contract declares a type it cannot check: {kind!r}")
 
 
-def _scalar(kind: Any, value: object, where: str) -> object:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        raise ContractError(f"{where}: expected true or false, got {_kind(value)}")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if -(1 << 63) <= value < 1 << 63:
-                return value
-            raise ContractError(f"{where}: an integer of {value.bit_length()} bits, over 64")
+def _literal(allowed: tuple[object, ...], value: object, where: str) -> object:
+    if not any(value == arg and type(value) is type(arg) for arg in allowed):
+        raise ContractError(f"{where}: expected one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _tuple(item: Decoder, value: object, where: str) -> tuple[object, ...]:
+    if not isinstance(value, list):
+        raise ContractError(f"{where}: expected a list, got {_kind(value)}")
+    return tuple(item(element, f"{where}[{i}]") for i, element in enumerate(value))
+
+
+def _object(
+    kind: type, fields: tuple[tuple[str, Decoder, bool], ...], value: object, where: str
+) -> object:
+    if not isinstance(value, dict):
+        raise ContractError(f"{where}: expected an object, got {_kind(value)}")
+    found = {}
+    for name, decoder, required in fields:
+        if name in value:
+            found[name] = decoder(value[name], f"{where}.{name}" if where else name)
+        elif required:
+            raise ContractError(f"{where}.{name}: missing" if where else f"{name}: missing")
+    return kind(**found)
+
+
+def _bool(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ContractError(f"{where}: expected true or false, got {_kind(value)}")
+
+
+def _int(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
         raise ContractError(f"{where}: expected an integer, got {_kind(value)}")
-    if kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            if math.isfinite(value):
-                return float(value)
-            raise ContractError(f"{where}: expected a finite number, got {value!r}")
+    if not -(1 << 63) <= value < 1 << 63:
+        raise ContractError(f"{where}: an integer of {value.bit_length()} bits, over 64")
+    return value
+
+
+def _float(value: object, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
         raise ContractError(f"{where}: expected a number, got {_kind(value)}")
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise ContractError(f"{where}: expected a string, got {_kind(value)}")
-    raise TypeError(f"{where}: the contract declares a type it cannot check: {kind!r}")
+    if not math.isfinite(value):
+        raise ContractError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _str(value: object, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise ContractError(f"{where}: expected a string, got {_kind(value)}")
+
+
+_SCALARS: dict[Any, Decoder] = {bool: _bool, int: _int, float: _float, str: _str}
 
 
 def _kind(value: object) -> str:

@@ -81,9 +81,12 @@ def _read(path: Path) -> RankRecord:
     # Non-blocking: a FIFO under that name must not hang the reader.
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
             raise ValueError("not a regular file")
-        data = handle.read(MAX_BYTES + 1)
+        data = handle.read(min(status.st_size, MAX_BYTES) + 1)
+        if len(data) > status.st_size:  # grown since: read on, to the limit
+            data += handle.read(MAX_BYTES + 1 - len(data))
     if len(data) > MAX_BYTES:
         raise ValueError(f"larger than {MAX_BYTES} bytes")
     try:
