@@ -222,10 +222,10 @@ def decode(document: object) -> RankRecord:
     schema = document["schema"]
     if schema != SCHEMA or isinstance(schema, bool):
         raise ContractError(
-            f"schema {schema!r}: this sidecar reads schema {SCHEMA} "
+            f"schema {_shown(schema)}: this sidecar reads schema {SCHEMA} "
             "(the engine's mla-serve and the sidecar's differ: run the same release in both)"
         )
-    record = _decode(RankRecord, document, "")
+    record = _decoder(RankRecord)(document, "")
     assert isinstance(record, RankRecord)
     if record.rank < 0:
         raise ContractError(f"rank: {record.rank} is negative")
@@ -242,10 +242,6 @@ def jsonable(value: object) -> Any:
 
 
 Decoder = Callable[[object, str], object]  # (JSON value, where it is) -> the typed value
-
-
-def _decode(kind: Any, value: object, where: str) -> object:
-    return _decoder(kind)(value, where)
 
 
 @functools.cache
@@ -275,7 +271,7 @@ def _decoder(kind: Any) -> Decoder:
 
 def _literal(allowed: tuple[object, ...], value: object, where: str) -> object:
     if not any(value == arg and type(value) is type(arg) for arg in allowed):
-        raise ContractError(f"{where}: expected one of {list(allowed)}, got {value!r}")
+        raise ContractError(f"{where}: expected one of {list(allowed)}, got {_shown(value)}")
     return value
 
 
@@ -317,7 +313,7 @@ def _float(value: object, where: str) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ContractError(f"{where}: expected a number, got {_kind(value)}")
     if not math.isfinite(value):
-        raise ContractError(f"{where}: expected a finite number, got {value!r}")
+        raise ContractError(f"{where}: expected a finite number, got {_shown(value)}")
     return float(value)
 
 
@@ -331,11 +327,13 @@ _SCALARS: dict[Any, Decoder] = {bool: _bool, int: _int, float: _float, str: _str
 
 
 def _kind(value: object) -> str:
-    if value is None:
-        return "null"
+    return "null" if value is None else f"{type(value).__name__} {_shown(value)}"
+
+
+def _shown(value: object) -> str:
+    """A value as a reason quotes it: short, whatever a file holds."""
     text = repr(value)
-    shown = text if len(text) <= 40 else text[:37] + "..."
-    return f"{type(value).__name__} {shown}"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_table() -> None:

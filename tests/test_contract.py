@@ -147,6 +147,7 @@ HOSTILE: list[tuple[str, bytes | None, str]] = [
     ("rank-1.json", _bytes(schema=2), "schema 2: this sidecar reads schema 1"),
     ("rank-1.json", _bytes(schema=_DROP), "no schema version"),
     ("rank-1.json", _bytes(schema=True), "schema True: this sidecar"),
+    ("rank-1.json", _bytes(schema="x" * 10_000), "schema '" + "x" * 36 + "...: this sidecar"),
     ("rank-1.json", _bytes(capture_seconds="12"), "capture_seconds: expected a number, got str"),
     ("rank-1.json", _bytes(capture_seconds=float("nan")), NOT_A_NUMBER),
     ("rank-1.json", _bytes(capture_bytes=True), "capture_bytes: expected an integer, got bool"),
