@@ -78,17 +78,7 @@ def _read(path: Path) -> RankRecord:
     name = _NAME.fullmatch(path.name)
     if name is None:
         raise ValueError("not a rank file name (rank-<n>.json)")
-    # Non-blocking: a FIFO under that name must not hang the reader.
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(descriptor, "rb") as handle:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            raise ValueError("not a regular file")
-        data = handle.read(min(status.st_size, MAX_BYTES) + 1)
-        if len(data) > status.st_size:  # grown since: read on, to the limit
-            data += handle.read(MAX_BYTES + 1 - len(data))
-    if len(data) > MAX_BYTES:
-        raise ValueError(f"larger than {MAX_BYTES} bytes")
+    data = _bounded_read(path)
     try:
         document = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
@@ -97,3 +87,21 @@ def _read(path: Path) -> RankRecord:
     if record.rank != int(name.group(1)):
         raise ValueError(f"holds rank {record.rank} under the name of rank {name.group(1)}")
     return record
+
+
+def _bounded_read(path: Path) -> bytes:
+    """A regular file's bytes, at most MAX_BYTES. Opened non-blocking: a FIFO under that
+    name must not hang the reader."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError("not a regular file")
+        data = os.read(descriptor, min(status.st_size, MAX_BYTES) + 1)
+        while len(data) <= MAX_BYTES and (more := os.read(descriptor, MAX_BYTES + 1 - len(data))):
+            data += more  # grown since the stat, or a short read
+    finally:
+        os.close(descriptor)
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"larger than {MAX_BYTES} bytes")
+    return data
