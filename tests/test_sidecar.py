@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scrape import samples
 from vllm_standin import StandIn
 
+from mla_serve.contract import ManifestCheck, Parallel, RankRecord
 from mla_serve.plugin import state
 from mla_serve.sidecar.settings import Settings
 
@@ -96,29 +97,29 @@ def test_unreachable_slow_or_garbage_vllm_never_hangs_the_sidecar(vllm, sidecar)
     assert samples(url)["mla_serve_vllm_up"] == [({}, 0.0)]
 
 
-def _plugin_state(rank: int, mode: str, workspace: int | None) -> dict[str, object]:
-    """A rank file as the engine plugin writes it (see mla_serve/plugin/collect.py)."""
-    return {
-        "rank": rank,
-        "local_rank": rank,
-        "pid": 4242,
-        "host": "node-0",
-        "phase": "ready",
-        "updated_at": time.time(),
-        "vllm_version": "0.33.0",
-        "model_runner": "vllm.v1.worker.gpu_model_runner",
-        "cudagraph_mode": mode,
-        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
-        "capture_seconds": 12.5,
-        "capture_bytes": 3 * (1 << 30),
-        "attention_backends": ["FLASHINFER_MLA_SPARSE"],
-        "sparse_mla_workspace_bytes": workspace,
-        "attention_workspace_bytes": 394 << 20,
-        "num_attention_heads_per_rank": 64,
-        "max_num_batched_tokens": 4096,
-        "parallel": {"tp": 1, "pp": 1, "dp": 1, "pcp": 4, "dcp": 4, "ep": False},
-        "manifest": {"path": "/opt/mla-serve/manifest.json", "files_match": True, "mismatched": []},
-    }
+def _plugin_state(rank: int, mode: str, workspace: int | None) -> RankRecord:
+    """A rank record as the engine plugin writes it (see mla_serve/plugin/collect.py)."""
+    return RankRecord(
+        rank=rank,
+        local_rank=rank,
+        pid=4242,
+        host="node-0",
+        phase="ready",
+        updated_at=time.time(),
+        vllm_version="0.33.0",
+        model_runner="vllm.v1.worker.gpu_model_runner",
+        cudagraph_mode=mode,
+        cudagraph_capture_sizes=(1, 2, 4, 8, 16),
+        capture_seconds=12.5,
+        capture_bytes=3 * (1 << 30),
+        attention_backends=("FLASHINFER_MLA_SPARSE",),
+        sparse_mla_workspace_bytes=workspace,
+        attention_workspace_bytes=394 << 20,
+        num_attention_heads_per_rank=64,
+        max_num_batched_tokens=4096,
+        parallel=Parallel(tp=1, pp=1, dp=1, pcp=4, dcp=4, ep=False),
+        manifest=ManifestCheck("/opt/mla-serve/manifest.json", files_match=True, mismatched=()),
+    )
 
 
 def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):

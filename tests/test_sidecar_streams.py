@@ -90,26 +90,26 @@ def test_log_is_read_incrementally_and_follows_rotation(tmp_path) -> None:
     path = tmp_path / "vllm.log"
     path.write_text(CONFIG + "noise\n" * 1000)
     log = vllm_log.LogFile(path, max_line=100)
-    assert log.refresh()[0]["cudagraph_mode"] == "PIECEWISE"
+    assert log.refresh()[0].cudagraph_mode == "PIECEWISE"
     offset = log.offset
     with path.open("a") as handle:
         handle.write("x" * 500 + "\n")  # over max_line: skipped, never buffered whole
         handle.write(CAPTURE.format(rank=1)[:30])  # half a line: previewed, kept for later
     figures = log.refresh()
     assert log.offset > offset and log.partial == CAPTURE.format(rank=1)[:30].encode()
-    assert [r["rank"] for r in figures] == [0]
+    assert [r.rank for r in figures] == [0]
     with path.open("a") as handle:
         handle.write(CAPTURE.format(rank=1)[30:])
-    assert [r["rank"] for r in log.refresh()] == [1]
+    assert [r.rank for r in log.refresh()] == [1]
     path.rename(tmp_path / "vllm.log.1")  # rotation: another file, read from its start
     path.write_text("INFO setting cudagraph_mode=FULL\n")
     (rank,) = log.refresh()
-    assert rank["cudagraph_mode"] == "FULL" and rank["capture_seconds"] == 9.0
+    assert rank.cudagraph_mode == "FULL" and rank.capture_seconds == 9.0
     path.write_text("")  # truncation
     path.write_text("Cudagraph is disabled under eager mode\n")
-    assert log.refresh()[0]["cudagraph_mode"] == "NONE"
+    assert log.refresh()[0].cudagraph_mode == "NONE"
     path.unlink()
-    assert log.refresh()[0]["cudagraph_mode"] == "NONE" and "vllm.log" in str(log.error)
+    assert log.refresh()[0].cudagraph_mode == "NONE" and "vllm.log" in str(log.error)
 
 
 def test_a_negative_capture_memory_is_read_as_vllm_logged_it() -> None:
@@ -121,8 +121,8 @@ def test_a_negative_capture_memory_is_read_as_vllm_logged_it() -> None:
         "Graph capturing finished in 10 secs, took -1.40 GiB"
     )
     (rank,) = vllm_log.parse(line)
-    assert rank["capture_seconds"] == 10.0
-    assert rank["capture_bytes"] == int(-1.40 * (1 << 30))
+    assert rank.capture_seconds == 10.0
+    assert rank.capture_bytes == int(-1.40 * (1 << 30))
 
 
 def test_interleaved_worker_lines_keep_each_rank_s_capture() -> None:
@@ -135,8 +135,8 @@ def test_interleaved_worker_lines_keep_each_rank_s_capture() -> None:
         "INFO 11-30 16:13:30 [model_runner.py:960] Graph capturing finished in 7 secs, "
         "took 0.13 GiB\n"
     )
-    figures = {rank["rank"]: rank for rank in vllm_log.parse(text)}
+    figures = {rank.rank: rank for rank in vllm_log.parse(text)}
     assert set(figures) == {0, 1}
-    assert figures[1]["capture_bytes"] == int(-5.29 * (1 << 30))
-    assert figures[0]["capture_bytes"] == int(0.13 * (1 << 30))
-    assert (figures[0]["capture_seconds"], figures[1]["capture_seconds"]) == (7.0, 8.0)
+    assert figures[1].capture_bytes == int(-5.29 * (1 << 30))
+    assert figures[0].capture_bytes == int(0.13 * (1 << 30))
+    assert (figures[0].capture_seconds, figures[1].capture_seconds) == (7.0, 8.0)

@@ -8,9 +8,10 @@ entry point. The plugin wraps two methods, when their modules are imported:
 - `Worker.compile_or_warm_up_model`: runs last before the rank serves, after
   any backend downgrade of the CUDA graph mode, with or without capture.
 
-After each, the rank's state (resolved CUDA graph mode, capture sizes, time and
-memory, attention backends, sparse-MLA workspace, parallel layout, whether its
-patched files still match the fix manifest) is written to $MLA_SERVE_STATE_DIR.
+After each, the rank's record (`mla_serve.contract.RankRecord`: resolved CUDA
+graph mode, capture sizes, time and memory, attention backends, sparse-MLA
+workspace, parallel layout, whether its patched files still match the fix
+manifest) is written to $MLA_SERVE_STATE_DIR.
 With that variable unset the plugin does nothing. Any failure inside it is
 logged and swallowed: reporting must never stop vLLM from serving.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mla_serve.contract import Phase
 from mla_serve.plugin import imports, state
 from mla_serve.plugin.collect import collect
 
@@ -90,7 +92,7 @@ def _wrap(cls: type, name: str, after: After) -> None:
     setattr(cls, name, wrapper)
 
 
-def _report(runner: Any, phase: str) -> None:
+def _report(runner: Any, phase: Phase) -> None:
     directory = os.environ.get(state.STATE_DIR_ENV)
     if directory:
         capture = getattr(runner, _CAPTURE, None)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mla_serve.contract import ManifestCheck, Parallel, Phase, RankRecord
 from mla_serve.patching import manifest, tree
 
 FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
@@ -21,41 +22,47 @@ WORKSPACE = "vllm.v1.worker.workspace"
 MANIFEST_ENV = "MLA_SERVE_MANIFEST"
 
 
-def collect(runner: Any, phase: str, capture: tuple[float, int | None] | None) -> dict[str, Any]:
+def collect(runner: Any, phase: Phase, capture: tuple[float, int | None] | None) -> RankRecord:
     config = runner.vllm_config
     compilation = config.compilation_config
     parallel = config.parallel_config
     rank, local_rank = _ranks(runner)
-    return {
-        "rank": rank,
-        "local_rank": local_rank,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "phase": phase,
-        "updated_at": time.time(),
-        "vllm_version": _vllm_version(),
-        "model_runner": type(runner).__module__,
-        "cudagraph_mode": _name(getattr(compilation, "cudagraph_mode", None)),
-        "cudagraph_capture_sizes": list(
-            getattr(compilation, "cudagraph_capture_sizes", None) or []
+    return RankRecord(
+        rank=rank,
+        local_rank=local_rank,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        phase=phase,
+        updated_at=time.time(),
+        vllm_version=_vllm_version(),
+        model_runner=type(runner).__module__,
+        cudagraph_mode=_name(getattr(compilation, "cudagraph_mode", None)),
+        cudagraph_capture_sizes=tuple(
+            int(size) for size in getattr(compilation, "cudagraph_capture_sizes", None) or []
         ),
-        "capture_seconds": None if capture is None else round(capture[0], 3),
-        "capture_bytes": None if capture is None else capture[1],
-        "attention_backends": _attention_backends(runner),
-        "sparse_mla_workspace_bytes": _flashinfer_sparse_workspace(),
-        "attention_workspace_bytes": _attention_workspace(),
-        "num_attention_heads_per_rank": _heads_per_rank(config),
-        "max_num_batched_tokens": getattr(config.scheduler_config, "max_num_batched_tokens", None),
-        "parallel": {
-            "tp": getattr(parallel, "tensor_parallel_size", 1),
-            "pp": getattr(parallel, "pipeline_parallel_size", 1),
-            "dp": getattr(parallel, "data_parallel_size", 1),
-            "pcp": getattr(parallel, "prefill_context_parallel_size", 1),
-            "dcp": getattr(parallel, "decode_context_parallel_size", 1),
-            "ep": bool(getattr(parallel, "enable_expert_parallel", False)),
-        },
-        "manifest": manifest_check(),
-    }
+        capture_seconds=None if capture is None else round(capture[0], 3),
+        capture_bytes=None if capture is None else capture[1],
+        attention_backends=_attention_backends(runner),
+        sparse_mla_workspace_bytes=_flashinfer_sparse_workspace(),
+        attention_workspace_bytes=_attention_workspace(),
+        num_attention_heads_per_rank=_heads_per_rank(config),
+        max_num_batched_tokens=_optional_int(
+            getattr(config.scheduler_config, "max_num_batched_tokens", None)
+        ),
+        parallel=Parallel(
+            tp=int(getattr(parallel, "tensor_parallel_size", 1)),
+            pp=int(getattr(parallel, "pipeline_parallel_size", 1)),
+            dp=int(getattr(parallel, "data_parallel_size", 1)),
+            pcp=int(getattr(parallel, "prefill_context_parallel_size", 1)),
+            dcp=int(getattr(parallel, "decode_context_parallel_size", 1)),
+            ep=bool(getattr(parallel, "enable_expert_parallel", False)),
+        ),
+        manifest=manifest_check(),
+    )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _name(value: Any) -> str | None:
@@ -79,7 +86,7 @@ def _vllm_version() -> str | None:
     return getattr(module, "__version__", None)
 
 
-def _attention_backends(runner: Any) -> list[str] | None:
+def _attention_backends(runner: Any) -> tuple[str, ...] | None:
     groups = getattr(runner, "attn_groups", None)
     if groups is None:
         return None
@@ -89,7 +96,7 @@ def _attention_backends(runner: Any) -> list[str] | None:
             backend = getattr(group, "backend", None)
             if backend is not None:
                 names.add(str(backend.get_name()))
-    return sorted(names)
+    return tuple(sorted(names))
 
 
 def _flashinfer_sparse_workspace() -> int | None:
@@ -126,7 +133,7 @@ def _heads_per_rank(config: Any) -> int | None:
         return None
 
 
-def manifest_check() -> dict[str, Any] | None:
+def manifest_check() -> ManifestCheck | None:
     """Do the files this process imports still match the fix manifest?"""
     vllm_file = getattr(sys.modules.get("vllm"), "__file__", None)
     if not vllm_file:
@@ -136,6 +143,6 @@ def manifest_check() -> dict[str, Any] | None:
     try:
         changed = manifest.changed_files(tree.locate(root), manifest.read(path))
     except (manifest.ManifestError, tree.TreeError):
-        return {"path": str(path), "files_match": None, "mismatched": []}
-    mismatched = [changed_path for changed_path, _, _ in changed]
-    return {"path": str(path), "files_match": not mismatched, "mismatched": mismatched}
+        return ManifestCheck(path=str(path), files_match=None, mismatched=())
+    mismatched = tuple(changed_path for changed_path, _, _ in changed)
+    return ManifestCheck(path=str(path), files_match=not mismatched, mismatched=mismatched)

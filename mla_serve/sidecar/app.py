@@ -115,8 +115,8 @@ class Sidecar:
         )
 
     def view(self) -> View:
-        ranks = engine.read(self.settings.state_dir, self.log_file)
-        return View(self.monitor.snapshot, self.fix_report, ranks, self.readiness().ok)
+        found = engine.read(self.settings.state_dir, self.log_file)
+        return View(self.monitor.snapshot, self.fix_report, found, self.readiness().ok)
 
     async def verify_fixes_once(self) -> None:
         """Verify the manifest; anything that goes wrong fails closed, with the reason."""

@@ -1,7 +1,8 @@
 """`/metrics`: the sidecar's Prometheus series, prefix `mla_serve_`.
 
 Gauges are computed at scrape time from the sidecar's current view (vLLM
-snapshot, fix report, engine ranks), so a scrape never shows a stale mix.
+snapshot, fix report, engine ranks), so a scrape never shows a stale mix. The
+engine series are generated from the table `mla_serve.contract.FIGURES`.
 Naming follows Prometheus' rules: base units (seconds, bytes), `_info` gauges
 of value 1 carrying labels, `_total` for counters.
 """
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mla_serve.sidecar.engine import Rank
+from mla_serve.contract import FIGURES, Figure, check_table
+from mla_serve.sidecar.engine import Engine, Rank
 from mla_serve.sidecar.fixes import FixReport
 from mla_serve.sidecar.vllm_monitor import VllmSnapshot
+
+check_table()  # the sidecar refuses to start on a table that disagrees with the record
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class View:
 
     vllm: VllmSnapshot
     fixes: FixReport
-    ranks: list[Rank]
+    engine: Engine
     ready: bool
 
 
@@ -38,7 +42,7 @@ class SidecarCollector(Collector):
         yield _gauge("mla_serve_vllm_up", "1 when vLLM's /health answers 200.", int(view.vllm.up))
         yield _gauge("mla_serve_ready", "1 when the sidecar's /readyz passes.", int(view.ready))
         yield from _fixes(view.fixes)
-        yield from _engine(view.ranks)
+        yield from _engine(view.engine.ranks)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -63,57 +67,40 @@ def _fixes(report: FixReport) -> Iterator[Metric]:
 
 
 def _engine(ranks: list[Rank]) -> Iterator[Metric]:
-    mode = GaugeMetricFamily(
-        "mla_serve_cudagraph_mode_info",
-        "CUDA graph mode each engine rank runs, after backend downgrades.",
-        labels=["mode", "rank"],
-    )
-    sizes = GaugeMetricFamily(
-        "mla_serve_cudagraph_capture_sizes",
-        "Number of batch sizes captured as CUDA graphs.",
-        labels=["rank"],
-    )
-    duration = GaugeMetricFamily(
-        "mla_serve_cudagraph_capture_duration_seconds",
-        "Wall time of CUDA graph capture.",
-        labels=["rank"],
-    )
-    memory = GaugeMetricFamily(
-        "mla_serve_cudagraph_capture_memory_bytes",
-        "GPU memory taken by CUDA graph capture.",
-        labels=["rank"],
-    )
-    workspace = GaugeMetricFamily(
-        "mla_serve_sparse_mla_workspace_bytes",
-        "FlashInfer sparse-MLA workspace per rank: allocated, and the sizing model's figure.",
-        labels=["rank", "kind"],
-    )
-    scratch = GaugeMetricFamily(
-        "mla_serve_attention_workspace_bytes",
-        "vLLM's shared attention workspace per rank, at its size locked after graph capture.",
-        labels=["rank"],
-    )
-    backend = GaugeMetricFamily(
-        "mla_serve_attention_backend_info",
-        "Attention backends each engine rank selected.",
-        labels=["backend", "rank"],
-    )
-    for rank in ranks:
-        label = str(rank.rank)
-        if rank.get("cudagraph_mode") is not None:
-            mode.add_metric([str(rank.get("cudagraph_mode")), label], 1)
-        if rank.get("cudagraph_capture_sizes") is not None:
-            sizes.add_metric([label], len(rank.get("cudagraph_capture_sizes")))
-        if rank.get("capture_seconds") is not None:
-            duration.add_metric([label], float(rank.get("capture_seconds")))
-        if rank.get("capture_bytes") is not None:
-            memory.add_metric([label], float(rank.get("capture_bytes")))
-        if rank.get("sparse_mla_workspace_bytes") is not None:
-            workspace.add_metric([label, "actual"], float(rank.get("sparse_mla_workspace_bytes")))
-        if rank.get("attention_workspace_bytes") is not None:
-            scratch.add_metric([label], float(rank.get("attention_workspace_bytes")))
-        if rank.predicted_workspace_bytes is not None:
-            workspace.add_metric([label, "predicted"], float(rank.predicted_workspace_bytes))
-        for name in rank.get("attention_backends") or []:
-            backend.add_metric([str(name), label], 1)
-    yield from (mode, sizes, duration, memory, workspace, scratch, backend)
+    """Every engine series of `contract.FIGURES`, in the table's order; a family fed by
+    several figures (actual and predicted workspace) holds each rank's samples together."""
+    families: dict[str, tuple[GaugeMetricFamily, list[Figure]]] = {}
+    for figure in FIGURES:
+        series = figure.series
+        if series is not None:
+            family = families.get(series.name)
+            if family is None:
+                gauge = GaugeMetricFamily(series.name, series.help, labels=list(series.labels))
+                family = families[series.name] = (gauge, [])
+            family[1].append(figure)
+    for gauge, figures in families.values():
+        for rank in ranks:
+            for figure in figures:
+                _add(gauge, figure, rank)
+        yield gauge
+
+
+def _add(gauge: GaugeMetricFamily, figure: Figure, rank: Rank) -> None:
+    """The samples of one rank's figure, by its series' rule (see contract.Series)."""
+    series = figure.series
+    value = rank.value(figure.name)
+    if series is None or value is None:
+        return
+    fixed = {"rank": str(rank.rank), **dict(series.constants)}
+    if series.sample == "info":
+        for text in value if isinstance(value, tuple) else (value,):
+            labels = {**fixed, str(series.info_label): str(text)}
+            gauge.add_metric([labels[name] for name in series.labels], 1)
+        return
+    values = [fixed[name] for name in series.labels]
+    if series.sample == "count":
+        assert isinstance(value, tuple)
+        gauge.add_metric(values, len(value))
+    else:
+        assert isinstance(value, int | float)
+        gauge.add_metric(values, float(value))

@@ -6,6 +6,7 @@ import html
 import json
 from typing import Any
 
+from mla_serve import contract
 from mla_serve.sidecar.engine import Rank
 from mla_serve.sidecar.health import Verdict
 from mla_serve.sidecar.metrics import View
@@ -36,18 +37,23 @@ def document(view: View, verdict: Verdict, vllm_url: str, extra: dict[str, Any])
                 {"id": f["id"], "status": f["status"], "probe": f.get("probe")} for f in fixes.fixes
             ],
         },
-        "engine": {"ranks": [_rank(rank) for rank in view.ranks]},
+        "engine": {
+            "ranks": [_rank(rank) for rank in view.engine.ranks],
+            "refused_rank_files": [
+                {"file": refused.file, "reason": refused.reason} for refused in view.engine.refused
+            ],
+        },
         **extra,
     }
 
 
 def _rank(rank: Rank) -> dict[str, Any]:
     figures = {
-        name: {"value": value, "source": rank.sources[name]} for name, value in rank.values.items()
-    }
-    figures["sparse_mla_workspace_bytes_predicted"] = {
-        "value": rank.predicted_workspace_bytes,
-        "source": None if rank.predicted_workspace_bytes is None else "sizing model",
+        figure.name: {
+            "value": contract.jsonable(rank.value(figure.name)),
+            "source": rank.source(figure.name),
+        }
+        for figure in contract.FIGURES
     }
     return {"rank": rank.rank, "figures": figures}
 
@@ -78,6 +84,12 @@ def render_html(doc: dict[str, Any]) -> str:
             for name, f in rank["figures"].items()
         )
         sections.append(f"<h2>Engine rank {rank['rank']}</h2><table>{figure_rows}</table>")
+    refused = "".join(
+        f"<tr><td>{html.escape(r['file'])}</td><td>{html.escape(r['reason'])}</td></tr>"
+        for r in doc["engine"]["refused_rank_files"]
+    )
+    if refused:
+        sections.append(f"<h2>Rank files refused</h2><table>{refused}</table>")
     raw = html.escape(json.dumps(doc, indent=2))
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>mla-serve status</title>"

@@ -20,7 +20,9 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
+
+from mla_serve.contract import RankRecord
 
 _CONFIG_MODE = re.compile(r"['\"]cudagraph_mode['\"]: <?(?:CUDAGraphMode\.)?([A-Z_]+)")
 _CONFIG_SIZES = re.compile(r"['\"]cudagraph_capture_sizes['\"]: \[([0-9, ]*)\]")
@@ -36,8 +38,8 @@ _ORPHAN = re.compile(
 _MAX_ORPHANS = 64
 
 
-def parse(text: str) -> list[dict[str, Any]]:
-    """Per-rank figures found in a vLLM log, in the engine plugin's state shape."""
+def parse(text: str) -> list[RankRecord]:
+    """Per-rank figures found in a vLLM log, as the engine plugin's records."""
     parser = Parser()
     for line in text.splitlines():
         parser.feed(line)
@@ -50,7 +52,7 @@ class Parser:
     def __init__(self) -> None:
         self.mode: str | None = None
         self.sizes: list[int] = []
-        self.ranks: dict[int, dict[str, Any]] = {}
+        self.ranks: dict[int, tuple[float, int]] = {}  # rank -> capture seconds, bytes
         self.orphans: list[int] = []  # ranks whose message is still to come, oldest first
 
     def feed(self, line: str) -> None:
@@ -72,19 +74,25 @@ class Parser:
             # the prefix right before the message, else the oldest orphan's
             orphan = self.orphans.pop(0) if not owners and self.orphans else 0
             rank = int(owners[-1]) if owners else orphan
-            self.ranks[rank] = {
-                "capture_seconds": float(found.group(1)),
-                "capture_bytes": int(float(found.group(2)) * (1 << 30)),
-            }
+            self.ranks[rank] = (float(found.group(1)), int(float(found.group(2)) * (1 << 30)))
 
-    def result(self) -> list[dict[str, Any]]:
+    def result(self) -> list[RankRecord]:
         if self.mode is None and not self.ranks:
             return []
+        sizes = tuple(self.sizes)
+        captures: dict[int, tuple[float, int] | None] = {0: None}
+        if self.ranks:
+            captures = dict(self.ranks)
         return [
-            {"rank": rank, "cudagraph_mode": self.mode,
-             "cudagraph_capture_sizes": list(self.sizes), **figures}
-            for rank, figures in sorted((self.ranks or {0: {}}).items())
-        ]  # fmt: skip
+            RankRecord(
+                rank=rank,
+                cudagraph_mode=self.mode,
+                cudagraph_capture_sizes=sizes,
+                capture_seconds=None if capture is None else capture[0],
+                capture_bytes=None if capture is None else capture[1],
+            )
+            for rank, capture in sorted(captures.items())
+        ]
 
 
 class LogFile:
@@ -109,9 +117,9 @@ class LogFile:
         self.skipping = False  # inside an over-long line
         self.error: str | None = None
         self._lock = threading.Lock()
-        self.figures: list[dict[str, Any]] = []
+        self.figures: list[RankRecord] = []
 
-    def refresh(self) -> list[dict[str, Any]]:
+    def refresh(self) -> list[RankRecord]:
         with self._lock:
             try:
                 self._read()

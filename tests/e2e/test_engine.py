@@ -242,11 +242,11 @@ def test_log_fallback_reads_the_same_figures(status: dict[str, Any], vllm_log: s
     first = reported[0]
     parsed = log_parser.parse(vllm_log)
     assert parsed, "the log parser found the capture"
-    assert parsed[0]["cudagraph_mode"] == first["cudagraph_mode"]
-    assert parsed[0]["cudagraph_capture_sizes"] == first["cudagraph_capture_sizes"]
+    assert parsed[0].cudagraph_mode == first["cudagraph_mode"]
+    assert list(parsed[0].cudagraph_capture_sizes or ()) == first["cudagraph_capture_sizes"]
     _, finished = capture_window(vllm_log, len(reported))
     logged = sorted(round(float(found[2]) * 2**30) for found in finished)
-    read = sorted(rank["capture_bytes"] for rank in parsed if "capture_bytes" in rank)
+    read = sorted(rank.capture_bytes for rank in parsed if rank.capture_bytes is not None)
     assert len(read) == len(logged)
     for ours, theirs in zip(read, logged, strict=True):
         assert abs(ours - theirs) <= 0.005 * 2**30

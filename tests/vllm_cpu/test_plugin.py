@@ -66,16 +66,15 @@ def test_real_capture_model_reports_the_resolved_mode(expect, state_dir):
     runner.vllm_config = _config("NONE")
     runner.compilation_config = runner.vllm_config.compilation_config
     assert GPUModelRunner.capture_model(runner) == 0  # vLLM's own early return
-    (written,) = state.read_all(state_dir)
-    assert written["phase"] == "captured"
-    assert written["cudagraph_mode"] == "NONE"
-    assert written["cudagraph_capture_sizes"] == [1, 2, 4, 8]
-    assert written["capture_bytes"] == 0 and written["capture_seconds"] >= 0
-    assert written["vllm_version"] == expect.release
-    assert written["parallel"]["tp"] == 1
+    (written,) = state.read_all(state_dir).records
+    assert written.phase == "captured"
+    assert written.cudagraph_mode == "NONE"
+    assert written.cudagraph_capture_sizes == (1, 2, 4, 8)
+    assert written.capture_bytes == 0 and written.capture_seconds >= 0
+    assert written.vllm_version == expect.release
+    assert written.parallel.tp == 1
     assert (
-        written["max_num_batched_tokens"]
-        == runner.vllm_config.scheduler_config.max_num_batched_tokens
+        written.max_num_batched_tokens == runner.vllm_config.scheduler_config.max_num_batched_tokens
     )
 
 
@@ -106,18 +105,18 @@ def test_rank_state_reports_backends_workspace_and_manifest(expect, state_dir, m
     )
     workspace.lock_workspace()
     plugin._report(runner, "ready")
-    (written,) = state.read_all(state_dir)
-    assert written["phase"] == "ready"
-    assert written["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    assert written["attention_backends"] == ["FLASHMLA_SPARSE"]
-    assert written["sparse_mla_workspace_bytes"] == 4096
-    assert written["attention_workspace_bytes"] == 4096 + 256  # each view rounded up to 256 B
-    manifest = written["manifest"]
-    assert manifest["path"].endswith("mla_serve_manifest.json")
+    (written,) = state.read_all(state_dir).records
+    assert written.phase == "ready"
+    assert written.cudagraph_mode == "FULL_AND_PIECEWISE"
+    assert written.attention_backends == ("FLASHMLA_SPARSE",)
+    assert written.sparse_mla_workspace_bytes == 4096
+    assert written.attention_workspace_bytes == 4096 + 256  # each view rounded up to 256 B
+    manifest = written.manifest
+    assert manifest.path.endswith("mla_serve_manifest.json")
     if expect.state == "patched":
-        assert manifest["files_match"] is True
+        assert manifest.files_match is True
     else:
-        assert manifest["files_match"] is None  # pristine trees carry no manifest
+        assert manifest.files_match is None  # pristine trees carry no manifest
 
 
 def test_a_plugin_failure_never_stops_vllm(expect, tmp_path, monkeypatch):
