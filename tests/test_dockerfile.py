@@ -89,11 +89,11 @@ def _instructions() -> list[tuple[str, str]]:
     return rows
 
 
-def test_build_args_default_to_the_newest_release_and_its_official_image() -> None:
+def test_build_args_default_to_the_default_release_and_its_official_image() -> None:
     args = dict(
         rest.split("=", 1) for word, rest in _instructions() if word == "ARG" and "=" in rest
     )
-    assert args["VLLM_VERSION"] == catalog.load().releases[-1] == "0.33.0"
+    assert args["VLLM_VERSION"] == catalog.load().default
     assert args["BASE_IMAGE"] == "vllm/vllm-openai:v${VLLM_VERSION}"
     assert args["VLLM_SOURCE"] == "base"
     stages = [rest for word, rest in _instructions() if word == "FROM"]
