@@ -238,4 +238,7 @@ def test_a_not_affected_verdict_is_one_line_and_asks_for_the_backport_to_go(tmp_
     (root / backport).unlink()
     claim = catalog_.load(root).fix("dsv4-indexer-capture-shortcut").on("0.27.1")
     assert (claim.status, claim.reason) == (S.NOT_AFFECTED, "GPU run: never baked into a graph")
-    assert "0004-dsv4-indexer-capture-shortcut.patch" not in catalog_.load(root).series("0.27.1").patches
+    assert (
+        "0004-dsv4-indexer-capture-shortcut.patch"
+        not in catalog_.load(root).series("0.27.1").patches
+    )

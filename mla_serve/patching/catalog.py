@@ -207,7 +207,7 @@ def _catalog(root: Path, data: dict[str, Any]) -> Catalog:
     if keys != sorted(keys) or len(set(keys)) != len(keys):
         raise CatalogError("releases must be listed once each, oldest first")
     default = data.get("default")
-    if default not in releases:
+    if not isinstance(default, str) or default not in releases:
         raise CatalogError(f"the default release {default!r} is not one of the releases")
     ids = [entry["id"] for entry in data["fix"]]
     if len(set(ids)) != len(ids):
@@ -224,9 +224,7 @@ def _catalog(root: Path, data: dict[str, Any]) -> Catalog:
 _BACKPORT = re.compile(r"^[0-9]{4}-(?P<fix>[a-z0-9][a-z0-9-]*)\.patch$")
 
 
-def _backports(
-    root: Path, releases: tuple[str, ...], ids: list[str]
-) -> dict[str, dict[str, str]]:
+def _backports(root: Path, releases: tuple[str, ...], ids: list[str]) -> dict[str, dict[str, str]]:
     """release -> {patch file: fix id}, from the files of patches/vllm-<release>/."""
     found: dict[str, dict[str, str]] = {}
     for directory in sorted(root.glob("vllm-*")):

@@ -7,7 +7,12 @@ from typing import Any
 from mla_serve.patching.catalog import Catalog, Status, UpstreamTests
 from mla_serve.patching.engine import FixState
 
-_SHORT = {"patched": "patched", "upstream": "upstream", "not-affected": "n/a", "affected": "AFFECTED"}
+_SHORT = {
+    "patched": "patched",
+    "upstream": "upstream",
+    "not-affected": "n/a",
+    "affected": "AFFECTED",
+}
 
 
 def matrix(
