@@ -7,6 +7,7 @@ vLLM tree."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import textwrap
@@ -17,10 +18,23 @@ import trees
 
 from mla_serve import cli
 from mla_serve.patching import catalog as catalog_
-from mla_serve.patching import manifest
+from mla_serve.patching import manifest, probes
 
 CATALOG = catalog_.load()
 S = catalog_.Status
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def labels_problems(document: dict[str, object], release: str) -> list[str]:
+    """docker/labels.py's check of an image's manifest against its labels (build args)."""
+    spec = importlib.util.spec_from_file_location("labels", ROOT / "docker" / "labels.py")
+    assert spec and spec.loader
+    labels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(labels)
+    args = labels.build_args(release)
+    found: list[str] = labels.problems(document, release, args["SERIES_DIGEST"], args["FIXES"])
+    return found
+
 
 RELEASES = '["1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"]'
 
@@ -197,6 +211,7 @@ def test_a_release_without_a_backport_is_affected_applied_and_verified_as_such(
     assert (row["status"], row["probe"], row["patches"]) == ("affected", "fail", [])
     assert "0003-dcp-empty-shard-mask.patch" not in document["series"]["patches"]
     assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+    assert labels_problems(document, "0.28.0") == []  # an image may say so in its labels
 
     code, out, _ = run(capsys, "patches", "status", "--target", target)
     row_text = next(line for line in out.splitlines() if line.startswith("dcp-empty-shard-mask"))
@@ -223,10 +238,14 @@ def test_affected_claims_are_proven_too(
     assert "the catalog says vLLM 0.28.0 has these bugs (no backport), but the probes" in err
 
 
-def test_a_not_affected_verdict_is_one_line_and_asks_for_the_backport_to_go(tmp_path: Path):
-    """What the lead does after the GPU run on 0.27.1's dsv4-indexer-capture-shortcut."""
-    root = tmp_path / "patches"
-    shutil.copytree(CATALOG.root, root)
+def test_a_not_affected_verdict_is_one_line_and_asks_for_the_backport_to_go(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    """What the lead does after the GPU run on 0.27.1's dsv4-indexer-capture-shortcut: one
+    line of the catalog; the loader then names the backport to delete. The probe finds the
+    shortcut there but reachable only in eager-break regions, which proves the verdict (and
+    only a verdict: see test_unreachable_proves_only_a_verdict)."""
+    root = private_catalog(tmp_path, monkeypatch)
     path = root / "catalog.toml"
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     (index,) = [i for i, line in enumerate(lines) if line.startswith('"0.27.1" = { path = "exp')]
@@ -242,3 +261,32 @@ def test_a_not_affected_verdict_is_one_line_and_asks_for_the_backport_to_go(tmp_
         "0004-dsv4-indexer-capture-shortcut.patch"
         not in catalog_.load(root).series("0.27.1").patches
     )
+
+    target = trees.clone("0.27.1", tmp_path / "tree")
+    code, out, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 0, err
+    assert "dsv4-indexer-capture-shortcut    not-affected     probe unreachable" in out
+    document = json.loads((target / "vllm" / manifest.FILENAME).read_text())
+    row = next(f for f in document["fixes"] if f["id"] == "dsv4-indexer-capture-shortcut")
+    assert (row["status"], row["probe"]) == ("not-affected", "unreachable")
+    assert "eager_break_during_capture" in row["probe_detail"]
+    assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+    assert labels_problems(document, "0.27.1") == []
+    row["status"] = "upstream"  # "unreachable" bears out a verdict only
+    assert any("probe unreachable" in p for p in labels_problems(document, "0.27.1"))
+
+
+def test_unreachable_proves_only_a_verdict():
+    unreachable = probes.ProbeResult(False, "code there, not reached", unreachable=True)
+    failing = probes.ProbeResult(False, "bug")
+    passing = probes.ProbeResult(True, "fixed")
+    verdict = catalog_.ReleaseStatus(S.NOT_AFFECTED, "GPU run", verdict=True)
+    by_range = catalog_.ReleaseStatus(S.NOT_AFFECTED, "no such code")
+    assert probes.proves(verdict, unreachable) and probes.proves(verdict, passing)
+    assert not probes.proves(verdict, failing)
+    assert not probes.proves(by_range, unreachable) and probes.proves(by_range, passing)
+    for status in (S.PATCHED, S.UPSTREAM):
+        claim = catalog_.ReleaseStatus(status, "r")
+        assert probes.proves(claim, passing) and not probes.proves(claim, unreachable)
+    affected = catalog_.ReleaseStatus(S.AFFECTED, "the bug")
+    assert probes.proves(affected, failing) and not probes.proves(affected, passing)

@@ -37,11 +37,6 @@ class Status(StrEnum):
     NOT_AFFECTED = "not-affected"  # the release never had the bug
     AFFECTED = "affected"  # the release has the bug and mla-serve carries no backport
 
-    @property
-    def has_fix(self) -> bool:
-        """Whether a tree of this status, with its series applied, must pass the probe."""
-        return self is not Status.AFFECTED
-
 
 @dataclass(frozen=True)
 class ReleaseStatus:
@@ -51,6 +46,7 @@ class ReleaseStatus:
     since: str | None = None  # first release carrying the fix, for `upstream`
     path: str | None = None  # the code path that reaches the bug there (patched, affected)
     modes: tuple[str, ...] = ()  # CUDA graph modes that reach it; empty: not mode-bound
+    verdict: bool = False  # not-affected by a verdict ([fix.releases] not_affected), not the range
 
 
 @dataclass(frozen=True)
@@ -345,7 +341,8 @@ def _claim(
         raise CatalogError(f"{where}: 'patched' names the code path that reaches the bug ('path')")
     modes = tuple(override.get("modes", entry.get("modes", ()))) if in_range else ()
     since = fixed if status is Status.UPSTREAM else None
-    return ReleaseStatus(status, reason, patches, since, path, modes)
+    verdict = status is Status.NOT_AFFECTED and "not_affected" in override
+    return ReleaseStatus(status, reason, patches, since, path, modes, verdict)
 
 
 def _regression(fix_id: str, raw: dict[str, str] | None) -> Regression | None:

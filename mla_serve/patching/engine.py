@@ -136,13 +136,14 @@ def check(plan_: Plan, catalog: Catalog) -> list[FixState]:
             except SyntaxError as error:
                 raise PatchError(f"{path} would not compile after patching: {error}") from None
     states = plan_.states(catalog)
-    failed = [s for s in states if not s.probe.passed and s.status.has_fix]
+    unproven = [s for s in states if not probes.proves(s.fix.on(plan_.release), s.probe)]
+    failed = [s for s in unproven if s.status is not Status.AFFECTED]
     if failed:
         lines = "; ".join(f"fix {s.fix.id} ({s.status.value}): {s.probe.detail}" for s in failed)
         raise PatchError(
             f"vLLM {plan_.tree.version} would still lack fixes after the series: {lines}"
         )
-    contradicted = [s for s in states if s.probe.passed and not s.status.has_fix]
+    contradicted = [s for s in unproven if s.status is Status.AFFECTED]
     if contradicted:
         lines = "; ".join(f"fix {s.fix.id}: {s.probe.detail}" for s in contradicted)
         raise PatchError(

@@ -14,7 +14,7 @@ from typing import Any
 
 from mla_serve import __version__
 from mla_serve.patching import engine, journal, probes
-from mla_serve.patching.catalog import Catalog, CatalogError
+from mla_serve.patching.catalog import Catalog, CatalogError, Status
 from mla_serve.patching.tree import VllmTree, sha256
 
 FILENAME = "mla_serve_manifest.json"
@@ -217,12 +217,14 @@ def _fix_drifts(
         elif list(row.get("patches") or []) != list(claim.patches):
             drifts.append(Drift(fix.id, f"manifest lists other patches than {list(claim.patches)}"))
         result = probes.run(fix.id, tree)
-        if not result.passed and claim.status.has_fix:
-            drifts.append(Drift(fix.id, f"probe fails: {result.detail}"))
-        elif result.passed and not claim.status.has_fix:
+        if probes.proves(claim, result):
+            pass
+        elif claim.status is Status.AFFECTED:
             drifts.append(
                 Drift(fix.id, f"probe passes, but the catalog says {release} is affected")
             )
+        else:
+            drifts.append(Drift(fix.id, f"probe fails: {result.detail}"))
     for fix_id in sorted(set(listed) - {f.id for f in catalog.fixes}):
         drifts.append(Drift(fix_id, "fix unknown to this mla-serve; run apply again"))
     return drifts

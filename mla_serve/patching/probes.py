@@ -19,6 +19,7 @@ import ast
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from mla_serve.patching.catalog import ReleaseStatus, Status
 from mla_serve.patching.tree import TreeError, VllmTree
 
 INDEX_GROUP = "vllm/v1/attention/backends/mla/index_group.py"
@@ -40,10 +41,27 @@ DEFAULT_WORKSPACE_BYTES = 394 * 1024 * 1024
 class ProbeResult:
     passed: bool
     detail: str
+    # The buggy code is there, but only where vLLM's own code paths are expected not to
+    # reach it. Not a pass: it proves `not-affected` only with the catalog's verdict for the
+    # release (`not_affected` in [fix.releases], e.g. after a GPU run), never on its own.
+    unreachable: bool = False
 
     @property
     def word(self) -> str:
-        return "pass" if self.passed else "fail"
+        if self.passed:
+            return "pass"
+        return "unreachable" if self.unreachable else "fail"
+
+
+def proves(claim: ReleaseStatus, result: ProbeResult) -> bool:
+    """Whether a probe's result on a tree (its series applied) bears out the catalog's claim:
+    the fix is there (patched, upstream), the bug is absent or, with a verdict, unreachable
+    (not-affected), or the bug is there (affected: no backport)."""
+    if claim.status is Status.AFFECTED:
+        return not result.passed
+    if claim.status is Status.NOT_AFFECTED and claim.verdict:
+        return result.passed or result.unreachable
+    return result.passed
 
 
 Probe = Callable[[VllmTree], ProbeResult]
@@ -351,7 +369,7 @@ def _dsv4_indexer_capture_shortcut(tree: VllmTree) -> ProbeResult:
     """The short-context shortcut is never taken while a CUDA graph is being captured."""
     module = _module(tree, DSV4_ATTENTION)
     forward = _function(module, "DeepseekV4Indexer.forward") if module else None
-    if forward is None:
+    if module is None or forward is None:
         return ProbeResult(True, "no DeepseekV4Indexer in this release (code absent)")
     for node in ast.walk(forward):
         if not isinstance(node, ast.If):
@@ -360,10 +378,34 @@ def _dsv4_indexer_capture_shortcut(tree: VllmTree) -> ProbeResult:
         if {"compress_ratio", "topk_tokens"} <= attributes:
             if _calls(node.test, "is_current_stream_capturing"):
                 return ProbeResult(True, "shortcut skipped during stream capture")
+            sites = _indexer_call_sites(module)
+            if sites and all(sites.values()):
+                return ProbeResult(
+                    False,
+                    f"{DSV4_ATTENTION}:{node.lineno} shortcut not skipped during capture, but "
+                    f"the indexer is called only inside @eager_break_during_capture regions "
+                    f"({', '.join(sorted(sites))}), which breakable capture runs eagerly",
+                    unreachable=True,
+                )
             return ProbeResult(
                 False, f"{DSV4_ATTENTION}:{node.lineno} shortcut can be baked into a graph"
             )
     return ProbeResult(False, "DeepseekV4Indexer.forward has no recognizable shortcut condition")
+
+
+def _indexer_call_sites(module: ast.Module) -> dict[str, bool]:
+    """Each function that calls `….indexer(…)`, and whether it is decorated with
+    `eager_break_during_capture` (bare, qualified or called)."""
+    sites: dict[str, bool] = {}
+    for function in ast.walk(module):
+        if not isinstance(function, ast.FunctionDef) or not _calls(function, "indexer"):
+            continue
+        names = set()
+        for decorator in function.decorator_list:
+            target = decorator.func if isinstance(decorator, ast.Call) else decorator
+            names.add(getattr(target, "id", getattr(target, "attr", None)))
+        sites[function.name] = "eager_break_during_capture" in names
+    return sites
 
 
 @probe("dsv4-c128a-capacity-stride")
