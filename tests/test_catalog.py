@@ -176,6 +176,17 @@ def test_the_real_catalog_states_each_reason_once():
             assert text.count(json.dumps(reason, ensure_ascii=False)) == 1, (fix.id, reason)
 
 
+def test_each_fix_is_found_from_its_id():
+    """Its probe is the module named after it, its backports the files named after it."""
+    assert set(probes.PROBES) == {f.id for f in CATALOG.fixes}
+    for fix in CATALOG.fixes:
+        module = "mla_serve.patching.probes." + fix.id.replace("-", "_")
+        assert probes.PROBES[fix.id].__module__ == module, fix.id
+        for release in CATALOG.releases:
+            for patch in fix.on(release).patches:
+                assert patch.endswith(f"-{fix.id}.patch"), (release, patch)
+
+
 # ---- the fourth status and the one-line verdict, on a real tree -----------------------
 
 
