@@ -16,7 +16,7 @@ from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import diff, engine, manifest, probes, tree
 
 CATALOG = catalog_.load()
-AFFECTED = [r for r in trees.RELEASES if CATALOG.series(r).patches]
+AFFECTED = trees.PATCHED_RELEASES
 
 
 def snapshot(root: Path) -> dict[str, str]:
