@@ -375,7 +375,9 @@ def test_build_args_come_from_the_catalog() -> None:
             f.on(release).status.value for f in the_catalog.fixes
         ]
     assert "dcp-workspace-sizing=patched" in labels.build_args("0.29.0")["FIXES"]
-    assert "patched" not in labels.build_args("0.33.0")["FIXES"]
+    for release in the_catalog.releases:  # `patched` exactly where the release has a backport
+        patched = "=patched" in labels.build_args(release)["FIXES"]
+        assert patched is bool(the_catalog.series(release).patches), release
 
 
 def test_labels_check_accepts_the_applied_manifest(applied_029: dict[str, object]) -> None:
