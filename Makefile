@@ -6,7 +6,11 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 PYTHON ?= python3
-VLLM_VERSION ?= 0.33.0
+# The default vLLM release is the catalog's (`default` in patches/catalog.toml).
+ifeq ($(origin VLLM_VERSION),undefined)
+VLLM_VERSION := $(shell PYTHONPATH='$(CURDIR)' $(PYTHON) -m mla_serve.patching.catalog default)
+$(if $(VLLM_VERSION),,$(error cannot read the default release from patches/catalog.toml with $(PYTHON) (Python >= 3.11)))
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 CACHE := $(CURDIR)/.cache

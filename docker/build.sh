@@ -2,7 +2,7 @@
 # Build the image from this checkout: `make image` runs it, and so does `make image-smoke`.
 #
 #   IMAGE          tag to build (default mla-serve:<mla-serve version>-vllm<VLLM_VERSION>)
-#   VLLM_VERSION   vLLM release (default 0.33.0)
+#   VLLM_VERSION   vLLM release (default: the catalog's, `default` in patches/catalog.toml)
 #   BASE_IMAGE     default vllm/vllm-openai:v<VLLM_VERSION>; a tag or a digest (name@sha256:...).
 #                  A tag is resolved to its digest (the local image's repository digest, else
 #                  the registry's through `docker buildx imagetools`), and the build then uses
@@ -25,10 +25,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VLLM_VERSION="${VLLM_VERSION:-0.33.0}"
+PYTHON="${PYTHON:-.venv/bin/python}"
+VLLM_VERSION="${VLLM_VERSION:-$(PYTHONPATH="$PWD" "$PYTHON" -m mla_serve.patching.catalog default)}"
 BASE_IMAGE="${BASE_IMAGE:-vllm/vllm-openai:v${VLLM_VERSION}}"
 VLLM_SOURCE="${VLLM_SOURCE:-base}"
-PYTHON="${PYTHON:-.venv/bin/python}"
 
 # `registry/name:tag` -> `registry/name`, library/ dropped as RepoDigests has it. A reference
 # that spells out the default registry does not match its RepoDigests (which omit it): the

@@ -25,8 +25,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VLLM_VERSION="${VLLM_VERSION:-0.33.0}"
 PYTHON="${PYTHON:-.venv/bin/python}"
+VLLM_VERSION="${VLLM_VERSION:-$(PYTHONPATH="$PWD" "$PYTHON" -m mla_serve.patching.catalog default)}"
 CACHE="${MLA_SERVE_CACHE:-$PWD/.cache}"
 STATE="$CACHE/docker"
 SUITE="${DEBIAN_SUITE:-bookworm}"

@@ -16,7 +16,7 @@ from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import diff, engine, manifest, probes, tree
 
 CATALOG = catalog_.load()
-AFFECTED = [r for r in trees.RELEASES if CATALOG.series(r).patches]
+AFFECTED = trees.PATCHED_RELEASES
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -36,13 +36,16 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str
 
 @pytest.mark.parametrize("release", trees.RELEASES)
 def test_pristine_probes_match_the_catalog(release: str):
-    """A probe fails exactly where the catalog says our patch is needed."""
+    """A probe fails exactly where the catalog says the release has the bug."""
     pristine = tree.locate(trees.pristine(release))
     assert pristine.version == release
     for fix in CATALOG.fixes:
         result = probes.run(fix.id, pristine)
-        needs_patch = fix.on(release).status is catalog_.Status.PATCHED
-        assert result.passed is not needs_patch, (fix.id, result.detail)
+        claim = fix.on(release)
+        if claim.status is catalog_.Status.PATCHED:
+            assert not result.passed, (fix.id, result.detail)  # the bug, until the series
+        else:
+            assert probes.proves(claim, result), (fix.id, result.detail)
 
 
 @pytest.mark.parametrize("release", AFFECTED)
@@ -73,7 +76,17 @@ def test_apply_fixes_every_probe_and_twice_is_a_no_op(release: str, tmp_path: Pa
     assert code == 0 and "matches" in out
 
 
-@pytest.mark.parametrize("release", ["0.30.0", trees.DEFAULT_RELEASE])
+# Releases where every fix is upstream (or the code absent): the first and the newest.
+NOTHING_TO_DO = [
+    r
+    for r in trees.RELEASES
+    if all(f.on(r).status in (catalog_.Status.UPSTREAM, catalog_.Status.NOT_AFFECTED)
+           for f in CATALOG.fixes)
+    and any(f.on(r).status is catalog_.Status.UPSTREAM for f in CATALOG.fixes)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("release", sorted(set(NOTHING_TO_DO[:1] + NOTHING_TO_DO[-1:])))
 def test_upstream_release_needs_nothing_and_records_why(release: str, tmp_path: Path, capsys):
     target = trees.clone(release, tmp_path / "tree")
     before = snapshot(target)
@@ -81,7 +94,9 @@ def test_upstream_release_needs_nothing_and_records_why(release: str, tmp_path: 
     assert code == 0 and "0 file(s) changed" in out
     document = json.loads((target / "vllm" / manifest.FILENAME).read_text())
     assert document["files"] == []
-    assert {f["status"] for f in document["fixes"]} == {"upstream"}
+    statuses = {f["id"]: f["status"] for f in document["fixes"]}
+    assert statuses == {f.id: f.on(release).status.value for f in CATALOG.fixes}
+    assert set(statuses.values()) <= {"upstream", "not-affected"}
     assert all(f["reason"] for f in document["fixes"])
     after = snapshot(target)
     del after[f"vllm/{manifest.FILENAME}"]
@@ -235,15 +250,6 @@ def test_local_version_suffix_maps_to_its_release():
     assert CATALOG.release_of("0.33.0+cu130") == "0.33.0"
 
 
-def test_catalog_and_series_must_agree(tmp_path: Path):
-    root = tmp_path / "patches"
-    shutil.copytree(CATALOG.root, root)
-    series = root / "vllm-0.28.0" / "series"
-    series.write_text("\n".join(series.read_text().splitlines()[:-1]) + "\n")
-    with pytest.raises(catalog_.CatalogError, match=r"vllm-0\.28\.0/series lists"):
-        catalog_.load(root)
-
-
 def test_every_patch_carries_dep3_headers():
     required = (
         "Description:",
@@ -261,59 +267,21 @@ def test_every_patch_carries_dep3_headers():
                 assert f"\n{field}" in f"\n{header}", (release, name, field)
 
 
-# Undo each fix in upstream's own code (0.33.0): its probe must notice, or a
-# "pass" on releases that carry the fix would prove nothing.
-UPSTREAM_REGRESSIONS = {
-    "piecewise-topk-event": (
-        "vllm/v1/attention/backends/mla/index_group.py",
-        "if self.has_indexer and not in_piecewise_cudagraph():",
-        "if self.has_indexer:",
-    ),
-    "dcp-workspace-sizing": (
-        "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py",
-        "_TRTLLM_GEN_SOFTMAX_SLOTS_PER_TOKEN = 256",
-        "_TRTLLM_GEN_SOFTMAX_SLOTS_PER_TOKEN = 128",
-    ),
-    "pcp-dcp-backend-reject": (
-        "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py",
-        '"use FLASHMLA_SPARSE, which',
-        '"use another backend, which',
-    ),
-    "dcp-empty-shard-mask": (
-        "vllm/v1/attention/ops/dcp.py",
-        "    if seq_lens.shape[0] == 0:\n",
-        "    if False:\n",
-    ),
-    "pcp-dcp-warmup-keys": (
-        "vllm/v1/attention/backends/mla/indexer.py",
-        "dcp_cases.append(dict(DCP_RANK=0, DCP_WORLD=1))",
-        "pass",
-    ),
-    "dcp-rank-device-tensor": (
-        "vllm/v1/attention/backends/mla/indexer.py",
-        "            self.dcp_rank_tensor,\n",
-        "            self.dcp_rank,\n",
-    ),
-    "dsv4-indexer-capture-shortcut": (
-        "vllm/models/deepseek_v4/attention.py",
-        "and not torch.cuda.is_current_stream_capturing()",
-        "and True",
-    ),
-    "dsv4-c128a-capacity-stride": (
-        "vllm/models/deepseek_v4/sparse_mla.py",
-        "global_decode_stride=global_decode_buffer.stride(0),",
-        "global_decode_stride=max_compressed_tokens,",
-    ),
-}
-
-
-@pytest.mark.parametrize("fix_id", sorted(UPSTREAM_REGRESSIONS))
+# Undo each fix in upstream's own code (the default release; `[fix.regression]` in the
+# catalog): its probe must notice, or a "pass" on releases that carry the fix would prove
+# nothing.
+@pytest.mark.parametrize("fix_id", [f.id for f in CATALOG.fixes])
 def test_probe_fails_when_upstreams_fix_is_undone(fix_id: str, tmp_path: Path):
-    assert set(UPSTREAM_REGRESSIONS) == set(probes.PROBES)
+    assert {f.id for f in CATALOG.fixes} == set(probes.PROBES), "one probe per fix"
+    fix = CATALOG.fix(fix_id)
+    if fix.on(trees.DEFAULT_RELEASE).status is not catalog_.Status.UPSTREAM:
+        assert fix.regression is None, "a regression undoes upstream's fix in the default release"
+        pytest.skip(f"{trees.DEFAULT_RELEASE} does not ship upstream's fix for {fix_id}")
+    assert fix.regression is not None, f"{fix_id}: the catalog names no [fix.regression]"
     target = trees.clone(trees.DEFAULT_RELEASE, tmp_path / "tree")
-    path, old, new = UPSTREAM_REGRESSIONS[fix_id]
+    path, old, new = fix.regression.file, fix.regression.old, fix.regression.new
     source = (target / path).read_text()
-    assert source.count(old) == 1, "the 0.33.0 code moved; update the regression"
+    assert source.count(old) == 1, f"the {trees.DEFAULT_RELEASE} code moved; update the regression"
     assert probes.run(fix_id, tree.locate(target)).passed
     trees.edit(target / path, source.replace(old, new))
     assert not probes.run(fix_id, tree.locate(target)).passed

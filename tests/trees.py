@@ -15,7 +15,9 @@ from mla_serve.patching import catalog, engine, manifest, tree, wheel
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MLA_SERVE_CACHE", ROOT / ".cache"))
 RELEASES = catalog.load().releases
-DEFAULT_RELEASE = "0.33.0"
+DEFAULT_RELEASE = catalog.load().default
+# The releases mla-serve patches (a backport of some fix), oldest first.
+PATCHED_RELEASES = tuple(r for r in RELEASES if catalog.load().series(r).patches)
 
 
 def pristine(release: str) -> Path:

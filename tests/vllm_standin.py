@@ -35,7 +35,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-VERSION = "0.33.0"
+from mla_serve.patching import catalog
+
+VERSION = catalog.load().default  # the release the image runs (patches/catalog.toml)
 
 
 @dataclass

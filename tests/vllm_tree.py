@@ -25,6 +25,8 @@ class Expect:
         claim = CATALOG.fix(fix_id).on(self.release)
         if claim.status is catalog_.Status.NOT_AFFECTED:
             pytest.skip(f"vLLM {self.release} is not affected by {fix_id}: {claim.reason}")
+        if claim.status is catalog_.Status.AFFECTED:
+            return False  # the bug is there, with no backport to apply
         return claim.status is catalog_.Status.UPSTREAM or self.state == "patched"
 
 

@@ -1,32 +1,41 @@
-"""The fix catalog (`patches/catalog.toml`) and the per-release series beside it.
+"""The fix catalog (`patches/catalog.toml`) and the backports beside it.
 
-The catalog says, for every fix and every supported release, whether the release
-needs our patch (`patched`), already ships the fix (`upstream`), or never had the
-affected code (`not-affected`). Each release folder `patches/vllm-<release>/`
-holds a `series` file (application order) and the patch files it names. The two
-must agree; `load()` refuses a catalog where they do not, so a mistake in the
-data fails every command and every test instead of silently skipping a fix.
+The catalog states each fact once: the supported releases and the default one, and per
+fix the releases whose code has the bug (`affected = [first, last]`) and the first
+release carrying upstream's fix (`fixed_upstream`). Every release's status is derived:
+`upstream` from `fixed_upstream` on, `patched` inside the affected range where a backport
+`patches/vllm-<release>/NNNN-<fix id>.patch` exists, `affected` inside the range without
+one, `not-affected` elsewhere. A release's series (the patches applied to it, in file-name
+order) is the set of its backports. `load()` refuses a catalog whose facts contradict each
+other (a backport for a release the fix does not affect, a file that belongs to no fix), so
+a mistake in the data fails every command and every test instead of silently skipping a fix.
+
+`python -m mla_serve.patching.catalog default` prints the default release (Makefile,
+docker/build.sh and docker/smoke.sh read it so).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import sys
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 
 class CatalogError(Exception):
-    """The catalog or a series is inconsistent, or a release is unknown."""
+    """The catalog or a backport is inconsistent, or a release is unknown."""
 
 
 class Status(StrEnum):
-    PATCHED = "patched"
-    UPSTREAM = "upstream"
-    NOT_AFFECTED = "not-affected"
+    PATCHED = "patched"  # the release has the bug; our backport fixes it
+    UPSTREAM = "upstream"  # the release ships upstream's fix
+    NOT_AFFECTED = "not-affected"  # the release never had the bug
+    AFFECTED = "affected"  # the release has the bug and mla-serve carries no backport
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,9 @@ class ReleaseStatus:
     reason: str
     patches: tuple[str, ...] = ()
     since: str | None = None  # first release carrying the fix, for `upstream`
-    path: str | None = None  # for `patched`: the code path that reaches the bug there
+    path: str | None = None  # the code path that reaches the bug there (patched, affected)
     modes: tuple[str, ...] = ()  # CUDA graph modes that reach it; empty: not mode-bound
+    verdict: bool = False  # not-affected by a verdict ([fix.releases] not_affected), not the range
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,16 @@ class UpstreamTests:
 
 
 @dataclass(frozen=True)
+class Regression:
+    """Upstream's fix undone in the default release's code: `old`, found once in `file`,
+    replaced by `new`. The fix's probe must fail on the result."""
+
+    file: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
 class Fix:
     id: str
     title: str
@@ -88,6 +108,9 @@ class Fix:
     upstream: tuple[str, ...]
     releases: dict[str, ReleaseStatus]
     upstream_tests: UpstreamTests | None = None
+    affected: tuple[str, ...] = ()  # (first, last) release whose code has the bug; () none
+    fixed_upstream: str | None = None  # first release carrying upstream's fix
+    regression: Regression | None = None
 
     def on(self, release: str) -> ReleaseStatus:
         return self.releases[release]
@@ -111,6 +134,8 @@ class Catalog:
     root: Path
     releases: tuple[str, ...]
     fixes: tuple[Fix, ...]
+    default: str = ""  # the release make dist, the image and the chart use
+    backports: dict[str, tuple[str, ...]] = field(default_factory=dict)  # release -> files
 
     def fix(self, fix_id: str) -> Fix:
         for fix in self.fixes:
@@ -128,15 +153,13 @@ class Catalog:
         return release
 
     def series(self, release: str) -> Series:
+        """The release's backports in file-name order, and their digest: sha256 over the
+        series text (one name a line) and each name with its bytes."""
+        self.release_of(release)
         directory = self.root / f"vllm-{release}"
-        series_file = directory / "series"
-        names = tuple(
-            line.strip()
-            for line in series_file.read_text(encoding="utf-8").splitlines()
-            if line.strip() and not line.lstrip().startswith("#")
-        )
+        names = self.backports.get(release, ())
         digest = hashlib.sha256()
-        digest.update(series_file.read_bytes())
+        digest.update("".join(f"{name}\n" for name in names).encode())
         for name in names:
             digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
         return Series(release, directory, names, digest.hexdigest())
@@ -168,39 +191,105 @@ def load(root: Path | None = None) -> Catalog:
         raise CatalogError(f"no fix catalog at {path}") from None
     except tomllib.TOMLDecodeError as error:
         raise CatalogError(f"{path}: {error}") from None
+    try:
+        return _catalog(root, data)
+    except (KeyError, TypeError, ValueError) as error:  # a missing key or a wrong type
+        raise CatalogError(f"{path}: malformed ({type(error).__name__}: {error})") from None
+
+
+def _catalog(root: Path, data: dict[str, Any]) -> Catalog:
     releases = tuple(data["releases"])
-    fixes = tuple(_fix(entry, releases) for entry in data["fix"])
-    catalog = Catalog(root=root, releases=releases, fixes=fixes)
-    _check_series(catalog)
-    return catalog
+    keys = [_version_key(r) for r in releases]
+    if keys != sorted(keys) or len(set(keys)) != len(keys):
+        raise CatalogError("releases must be listed once each, oldest first")
+    default = data.get("default")
+    if not isinstance(default, str) or default not in releases:
+        raise CatalogError(f"the default release {default!r} is not one of the releases")
+    ids = [entry["id"] for entry in data["fix"]]
+    if len(set(ids)) != len(ids):
+        raise CatalogError("a fix id is used twice")
+    backports = _backports(root, releases, ids)
+    fixes = tuple(_fix(entry, releases, backports) for entry in data["fix"])
+    series = {
+        release: tuple(name for name, _ in sorted(backports.get(release, {}).items()))
+        for release in releases
+    }
+    return Catalog(root, releases, fixes, default, series)
 
 
-def _fix(entry: dict[str, Any], releases: tuple[str, ...]) -> Fix:
+_BACKPORT = re.compile(r"^[0-9]{4}-(?P<fix>[a-z0-9][a-z0-9-]*)\.patch$")
+
+
+def _backports(root: Path, releases: tuple[str, ...], ids: list[str]) -> dict[str, dict[str, str]]:
+    """release -> {patch file: fix id}, from the files of patches/vllm-<release>/."""
+    found: dict[str, dict[str, str]] = {}
+    for directory in sorted(root.glob("vllm-*")):
+        release = directory.name.removeprefix("vllm-")
+        if release not in releases:
+            raise CatalogError(f"{directory} is for vLLM {release}, which is not a release")
+        files: dict[str, str] = {}
+        for path in sorted(directory.iterdir()):
+            match = _BACKPORT.match(path.name)
+            if not path.is_file() or match is None or match["fix"] not in ids:
+                raise CatalogError(
+                    f"{path} is not a backport: a release folder holds only "
+                    "NNNN-<fix id>.patch files of the catalog's fixes"
+                )
+            if match["fix"] in files.values():
+                raise CatalogError(f"{directory} holds two backports of {match['fix']}")
+            files[path.name] = match["fix"]
+        found[release] = files
+    return found
+
+
+def _version_key(release: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in release.split("."))
+    except (AttributeError, ValueError):
+        raise CatalogError(f"{release!r} is not a release number (X.Y.Z)") from None
+
+
+_RELEASE_KEYS = {"reason", "path", "modes", "not_affected"}
+
+
+def _fix(
+    entry: dict[str, Any], releases: tuple[str, ...], backports: dict[str, dict[str, str]]
+) -> Fix:
     fix_id = entry["id"]
+    affected = tuple(entry["affected"])
+    if len(affected) not in (0, 2):
+        raise CatalogError(f"fix {fix_id}: affected is [first, last] or [] (no release)")
+    first, last = (_version_key(r) for r in affected) if affected else ((), ())
+    if affected and first > last:
+        raise CatalogError(f"fix {fix_id}: affected range {affected[0]}..{affected[1]} is empty")
+    fixed = entry.get("fixed_upstream")
+    if fixed is not None and affected and _version_key(fixed) <= last:
+        raise CatalogError(
+            f"fix {fix_id}: fixed upstream in {fixed}, so it cannot affect {affected[1]}"
+        )
+    overrides: dict[str, dict[str, Any]] = entry.get("releases", {})
+    for release, override in overrides.items():
+        if release not in releases:
+            raise CatalogError(f"fix {fix_id}: [fix.releases] names unknown release {release}")
+        if not set(override) <= _RELEASE_KEYS:
+            unknown = ", ".join(sorted(set(override) - _RELEASE_KEYS))
+            raise CatalogError(f"fix {fix_id} on {release}: unknown key(s) {unknown}")
     statuses: dict[str, ReleaseStatus] = {}
     for release in releases:
-        raw = entry["releases"].get(release)
-        if raw is None:
-            raise CatalogError(f"fix {fix_id}: no status for release {release}")
-        status = Status(raw["status"])
-        patches = tuple(raw.get("patches", ()))
-        if (status is Status.PATCHED) != bool(patches):
-            raise CatalogError(f"fix {fix_id} on {release}: 'patched' and patch files go together")
-        if status is Status.UPSTREAM and not raw.get("since"):
-            raise CatalogError(f"fix {fix_id} on {release}: 'upstream' needs 'since'")
-        if (status is Status.PATCHED) != bool(raw.get("path")):
-            raise CatalogError(
-                f"fix {fix_id} on {release}: 'patched' names the code path that reaches the bug"
-                " ('path'), and only 'patched' does"
-            )
-        statuses[release] = ReleaseStatus(
-            status,
-            raw["reason"],
-            patches,
-            raw.get("since"),
-            raw.get("path"),
-            tuple(raw.get("modes", ())),
-        )
+        key = _version_key(release)
+        override = overrides.get(release, {})
+        patches = tuple(p for p, owner in backports.get(release, {}).items() if owner == fix_id)
+        verdict = override.get("not_affected")
+        if fixed is not None and key >= _version_key(fixed):
+            status, reason = Status.UPSTREAM, override.get("reason", entry.get("upstream_fix"))
+        elif affected and first <= key <= last and verdict is None:
+            status = Status.PATCHED if patches else Status.AFFECTED
+            reason = override.get("reason", entry.get("bug"))
+        else:
+            status = Status.NOT_AFFECTED
+            reason = verdict or override.get("reason", entry.get("not_affected"))
+        claim = _claim(fix_id, release, status, reason, patches, fixed, entry, override)
+        statuses[release] = claim
     return Fix(
         id=fix_id,
         title=entry["title"],
@@ -211,7 +300,58 @@ def _fix(entry: dict[str, Any], releases: tuple[str, ...]) -> Fix:
         upstream=tuple(entry["upstream"]),
         releases=statuses,
         upstream_tests=_upstream_tests(fix_id, entry.get("upstream_tests"), releases),
+        affected=affected,
+        fixed_upstream=fixed,
+        regression=_regression(fix_id, entry.get("regression")),
     )
+
+
+_REASON_KEY = {
+    Status.UPSTREAM: "upstream_fix",
+    Status.PATCHED: "bug",
+    Status.AFFECTED: "bug",
+    Status.NOT_AFFECTED: "not_affected",
+}
+
+
+def _claim(
+    fix_id: str,
+    release: str,
+    status: Status,
+    reason: str | None,
+    patches: tuple[str, ...],
+    fixed: str | None,
+    entry: dict[str, Any],
+    override: dict[str, Any],
+) -> ReleaseStatus:
+    """One release's derived status, its reason, and the facts that go with it."""
+    where = f"fix {fix_id} on {release}"
+    if patches and status is not Status.PATCHED:
+        raise CatalogError(
+            f"{where} is {status.value}, yet vllm-{release}/{patches[0]} backports it: "
+            "delete the backport, or correct the fix's affected range"
+        )
+    if not reason:
+        raise CatalogError(f"{where} is {status.value}: say why with '{_REASON_KEY[status]}'")
+    in_range = status in (Status.PATCHED, Status.AFFECTED)
+    if not in_range and ("path" in override or "modes" in override):
+        raise CatalogError(f"{where}: 'path' and 'modes' are for releases that have the bug")
+    path = override.get("path", entry.get("path")) if in_range else None
+    if status is Status.PATCHED and not path:
+        raise CatalogError(f"{where}: 'patched' names the code path that reaches the bug ('path')")
+    modes = tuple(override.get("modes", entry.get("modes", ()))) if in_range else ()
+    since = fixed if status is Status.UPSTREAM else None
+    verdict = status is Status.NOT_AFFECTED and "not_affected" in override
+    return ReleaseStatus(status, reason, patches, since, path, modes, verdict)
+
+
+def _regression(fix_id: str, raw: dict[str, str] | None) -> Regression | None:
+    if raw is None:
+        return None
+    regression = Regression(raw["file"], raw["old"], raw["new"])
+    if not regression.file.startswith("vllm/") or regression.old == regression.new:
+        raise CatalogError(f"fix {fix_id}: a regression changes `old` to `new` in a vllm/ file")
+    return regression
 
 
 def _upstream_tests(
@@ -242,18 +382,20 @@ def _upstream_tests(
     return tests
 
 
-def _check_series(catalog: Catalog) -> None:
-    for release in catalog.releases:
-        directory = catalog.root / f"vllm-{release}"
-        if not (directory / "series").is_file():
-            raise CatalogError(f"release {release} has no series file in {directory}")
-        series = catalog.series(release)
-        claimed = [p for fix in catalog.fixes for p in fix.on(release).patches]
-        if sorted(claimed) != sorted(series.patches) or len(set(claimed)) != len(claimed):
-            raise CatalogError(
-                f"vllm-{release}/series lists {list(series.patches)} but the catalog "
-                f"assigns {claimed}"
-            )
-        for name in series.patches:
-            if not (directory / name).is_file():
-                raise CatalogError(f"vllm-{release}/series names a missing file {name}")
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mla_serve.patching.catalog default|releases`: for make and shell scripts."""
+    args = sys.argv[1:] if argv is None else argv
+    if args not in (["default"], ["releases"]):
+        print("usage: python -m mla_serve.patching.catalog default|releases", file=sys.stderr)
+        return 2
+    try:
+        catalog = load()
+    except CatalogError as error:
+        print(f"mla-serve catalog: {error}", file=sys.stderr)
+        return 2
+    print(catalog.default if args == ["default"] else " ".join(catalog.releases))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,7 +33,7 @@ class FixState:
 
     fix: Fix
     status: Status
-    action: str  # applied | already-applied | upstream | not-affected
+    action: str  # applied | already-applied | upstream | not-affected | affected
     probe: probes.ProbeResult
 
 
@@ -136,11 +136,19 @@ def check(plan_: Plan, catalog: Catalog) -> list[FixState]:
             except SyntaxError as error:
                 raise PatchError(f"{path} would not compile after patching: {error}") from None
     states = plan_.states(catalog)
-    failed = [s for s in states if not s.probe.passed]
+    unproven = [s for s in states if not probes.proves(s.fix.on(plan_.release), s.probe)]
+    failed = [s for s in unproven if s.status is not Status.AFFECTED]
     if failed:
         lines = "; ".join(f"fix {s.fix.id} ({s.status.value}): {s.probe.detail}" for s in failed)
         raise PatchError(
             f"vLLM {plan_.tree.version} would still lack fixes after the series: {lines}"
+        )
+    contradicted = [s for s in unproven if s.status is Status.AFFECTED]
+    if contradicted:
+        lines = "; ".join(f"fix {s.fix.id}: {s.probe.detail}" for s in contradicted)
+        raise PatchError(
+            f"the catalog says vLLM {plan_.release} has these bugs (no backport), but the "
+            f"probes find them fixed: {lines}"
         )
     return states
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from mla_serve import __version__
 from mla_serve.patching import engine, journal, probes
-from mla_serve.patching.catalog import Catalog, CatalogError
+from mla_serve.patching.catalog import Catalog, CatalogError, Status
 from mla_serve.patching.tree import VllmTree, sha256
 
 FILENAME = "mla_serve_manifest.json"
@@ -147,7 +147,8 @@ def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[D
     The manifest is not trusted: it must agree with this mla-serve's catalog for the
     tree's release (series digest and patches, every fix with its status and patches,
     exactly the files the series touches), the series must be present in the tree,
-    every touched file must hash as recorded, and every fix's probe must pass.
+    every touched file must hash as recorded, and every fix's probe must pass (fail, for a
+    fix the release is `affected` by: it has the bug and mla-serve no backport).
     """
     drifts: list[Drift] = []
     pending = journal.journal_path(tree)
@@ -216,7 +217,13 @@ def _fix_drifts(
         elif list(row.get("patches") or []) != list(claim.patches):
             drifts.append(Drift(fix.id, f"manifest lists other patches than {list(claim.patches)}"))
         result = probes.run(fix.id, tree)
-        if not result.passed:
+        if probes.proves(claim, result):
+            pass
+        elif claim.status is Status.AFFECTED:
+            drifts.append(
+                Drift(fix.id, f"probe passes, but the catalog says {release} is affected")
+            )
+        else:
             drifts.append(Drift(fix.id, f"probe fails: {result.detail}"))
     for fix_id in sorted(set(listed) - {f.id for f in catalog.fixes}):
         drifts.append(Drift(fix_id, "fix unknown to this mla-serve; run apply again"))

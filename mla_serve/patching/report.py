@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mla_serve.patching.catalog import Catalog, UpstreamTests
+from mla_serve.patching.catalog import Catalog, Status, UpstreamTests
 from mla_serve.patching.engine import FixState
 
-_SHORT = {"patched": "patched", "upstream": "upstream", "not-affected": "n/a"}
+_SHORT = {
+    "patched": "patched",
+    "upstream": "upstream",
+    "not-affected": "n/a",
+    "affected": "AFFECTED",
+}
 
 
 def matrix(
@@ -36,6 +41,8 @@ def matrix(
         row = "  ".join(c.ljust(w) for c, w in zip(cells[fix.id], widths, strict=True))
         lines.append(fix.id.ljust(width) + "  " + row)
     lines.append("n/a = not affected (the release never had the code)")
+    if any(c.startswith(_SHORT["affected"]) for row in cells.values() for c in row):
+        lines.append("AFFECTED = the release has the bug and mla-serve carries no backport for it")
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -47,6 +54,7 @@ def _cell(status: str, state: FixState | None) -> str:
 def catalog_json(catalog: Catalog) -> dict[str, Any]:
     return {
         "releases": list(catalog.releases),
+        "default": catalog.default,
         "fixes": [
             {
                 "id": fix.id,
@@ -56,6 +64,8 @@ def catalog_json(catalog: Catalog) -> dict[str, Any]:
                 "layouts": list(fix.layouts),
                 "seeds": list(fix.seeds),
                 "upstream": list(fix.upstream),
+                "affected": list(fix.affected),
+                "fixed_upstream": fix.fixed_upstream,
                 "releases": {
                     release: {
                         "status": claim.status.value,
@@ -138,7 +148,8 @@ def details(catalog: Catalog) -> str:
         for release, claim in fix.releases.items():
             if claim.path:
                 modes = f" [{', '.join(claim.modes)}]" if claim.modes else ""
-                lines.append(f"  path {release}{modes}: {claim.path}")
+                bare = " (AFFECTED: no backport)" if claim.status is Status.AFFECTED else ""
+                lines.append(f"  path {release}{modes}{bare}: {claim.path}")
         lines += _proof(fix.upstream_tests)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -47,7 +47,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
     cat = catalog.load()
-    releases = [r for r in cat.releases if cat.series(r).patches] + [trees.DEFAULT_RELEASE]
+    releases = [*trees.PATCHED_RELEASES, trees.DEFAULT_RELEASE]
     results = []
     for release in releases:
         trees.pristine(release)  # unpack outside the timed region

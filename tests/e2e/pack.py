@@ -54,7 +54,7 @@ import layouts  # noqa: E402
 import model  # noqa: E402
 import parts  # noqa: E402
 
-from mla_serve.patching import wheel  # noqa: E402
+from mla_serve.patching import catalog, wheel  # noqa: E402
 
 ARCH = 90  # the H200
 CARRY_LIMIT = 64 * 2**20
@@ -226,7 +226,7 @@ def carry_size(folder: Path, repository: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--releases", nargs="+", default=["0.33.0"])
+    parser.add_argument("--releases", nargs="+", default=[catalog.load().default])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e")
     parser.add_argument("--gpus", type=int, default=2, help="scale the profiles to this many GPUs")
     parser.add_argument(

@@ -26,7 +26,8 @@ import carry  # noqa: E402
 import trees  # noqa: E402
 import upstream  # noqa: E402
 
-RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.33.0")
+# The releases we patch, and the default one (patches/catalog.toml).
+RELEASES = (*trees.PATCHED_RELEASES, trees.DEFAULT_RELEASE)
 LIMIT_MIB = 56  # leaves room for the repository itself in the 64 MiB a run carries
 IMPORTS = (
     "vllm.forward_context",

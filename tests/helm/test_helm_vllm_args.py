@@ -32,7 +32,7 @@ from helm_support import (
 
 from mla_serve.sizing import planning
 
-RELEASE = "0.33.0"  # Chart.yaml appVersion's vLLM
+RELEASE = trees.DEFAULT_RELEASE  # Chart.yaml appVersion's vLLM (tests/test_release_facts.py)
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 LAYOUTS = list(itertools.product(SIZES, SIZES, SIZES))
 # Stand-ins for what Kubernetes and LeaderWorkerSet substitute into $(VAR).

@@ -1,0 +1,303 @@
+"""The catalog states each release fact once and derives every status from them
+(patches/catalog.toml, mla_serve/patching/catalog.py).
+
+The derivation rules run on small catalogs written here; the fourth status (`affected`: the
+bug is there and no backport) and the one-line verdict run on the real catalog and a real
+vLLM tree."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import trees
+
+from mla_serve import cli
+from mla_serve.patching import catalog as catalog_
+from mla_serve.patching import manifest, probes
+
+CATALOG = catalog_.load()
+S = catalog_.Status
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def labels_problems(document: dict[str, object], release: str) -> list[str]:
+    """docker/labels.py's check of an image's manifest against its labels (build args)."""
+    spec = importlib.util.spec_from_file_location("labels", ROOT / "docker" / "labels.py")
+    assert spec and spec.loader
+    labels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(labels)
+    args = labels.build_args(release)
+    found: list[str] = labels.problems(document, release, args["SERIES_DIGEST"], args["FIXES"])
+    return found
+
+
+RELEASES = '["1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"]'
+
+
+def write(
+    tmp_path: Path,
+    fix: str,
+    backports: dict[str, str] | None = None,
+    default: str = "1.4.0",
+    releases: str = RELEASES,
+) -> Path:
+    """A catalog of one fix `demo` in tmp_path/patches, with backport files
+    {release: file name}; returns its root."""
+    root = tmp_path / "patches"
+    root.mkdir()
+    (root / "catalog.toml").write_text(
+        f'default = "{default}"\nreleases = {releases}\n\n[[fix]]\n'
+        'id = "demo"\ntitle = "t"\nsymptom = "s"\nmodels = []\nlayouts = []\nseeds = []\n'
+        "upstream = []\n" + textwrap.dedent(fix),
+        encoding="utf-8",
+    )
+    for release, name in (backports or {}).items():
+        (root / f"vllm-{release}").mkdir(exist_ok=True)
+        (root / f"vllm-{release}" / name).write_text("a patch\n", encoding="utf-8")
+    return root
+
+
+FULL = """\
+affected = ["1.1.0", "1.2.0"]
+fixed_upstream = "1.3.0"
+not_affected = "no such code"
+bug = "the bug"
+path = "the path"
+upstream_fix = "upstream's fix"
+"""
+
+
+def statuses(root: Path) -> dict[str, tuple[S, str]]:
+    fix = catalog_.load(root).fix("demo")
+    return {r: (c.status, c.reason) for r, c in fix.releases.items()}
+
+
+def test_every_status_is_derived_from_the_range_the_upstream_fix_and_the_backports(
+    tmp_path: Path,
+):
+    root = write(tmp_path, FULL, {"1.1.0": "0001-demo.patch"})
+    assert statuses(root) == {
+        "1.0.0": (S.NOT_AFFECTED, "no such code"),
+        "1.1.0": (S.PATCHED, "the bug"),
+        "1.2.0": (S.AFFECTED, "the bug"),  # in range, no backport: the honest answer
+        "1.3.0": (S.UPSTREAM, "upstream's fix"),
+        "1.4.0": (S.UPSTREAM, "upstream's fix"),
+    }
+    loaded = catalog_.load(root)
+    claim = loaded.fix("demo").on("1.1.0")
+    assert (claim.patches, claim.path, claim.since) == (("0001-demo.patch",), "the path", None)
+    assert loaded.fix("demo").on("1.2.0").path == "the path"
+    assert loaded.fix("demo").on("1.4.0").since == "1.3.0"
+    assert loaded.series("1.1.0").patches == ("0001-demo.patch",)
+    assert loaded.series("1.2.0").patches == ()
+    assert loaded.default == "1.4.0"
+
+
+def test_a_bug_not_fixed_upstream_affects_every_release_from_the_first(tmp_path: Path):
+    root = write(tmp_path, 'affected = ["1.2.0", "1.4.0"]\nnot_affected = "n"\nbug = "b"\n')
+    assert [s for s, _ in statuses(root).values()] == [
+        S.NOT_AFFECTED,
+        S.NOT_AFFECTED,
+        S.AFFECTED,
+        S.AFFECTED,
+        S.AFFECTED,
+    ]
+
+
+def test_one_release_overrides_a_reason_or_is_judged_not_affected(tmp_path: Path):
+    fix = FULL + (
+        '\n[fix.releases]\n"1.4.0" = { reason = "moved" }\n'
+        '"1.2.0" = { not_affected = "a GPU run: never reached" }\n'
+    )
+    root = write(tmp_path, fix, {"1.1.0": "0001-demo.patch"})
+    got = statuses(root)
+    assert got["1.2.0"] == (S.NOT_AFFECTED, "a GPU run: never reached")
+    assert got["1.4.0"] == (S.UPSTREAM, "moved")
+    assert got["1.3.0"] == (S.UPSTREAM, "upstream's fix")
+
+
+@pytest.mark.parametrize(
+    ("fix", "backports", "message"),
+    [
+        (FULL, {"1.0.0": "0001-demo.patch"}, "is not-affected, yet vllm-1.0.0/0001-demo.patch"),
+        (FULL, {"1.3.0": "0001-demo.patch"}, "is upstream, yet vllm-1.3.0/0001-demo.patch"),
+        (FULL, {"1.1.0": "0001-other.patch"}, "is not a backport"),
+        (FULL, {"1.1.0": "series"}, "is not a backport"),
+        (FULL, {"0.9.0": "0001-demo.patch"}, "which is not a release"),
+        (FULL.replace('fixed_upstream = "1.3.0"', 'fixed_upstream = "1.2.0"'), {}, "cannot affect"),
+        (FULL.replace('["1.1.0", "1.2.0"]', '["1.2.0", "1.1.0"]'), {}, "is empty"),
+        (FULL.replace('["1.1.0", "1.2.0"]', '["1.1.0"]'), {}, "[first, last]"),
+        (FULL.replace('bug = "the bug"\n', ""), {}, "say why with 'bug'"),
+        (FULL.replace('not_affected = "no such code"\n', ""), {}, "with 'not_affected'"),
+        (FULL.replace('upstream_fix = "upstream\'s fix"\n', ""), {}, "with 'upstream_fix'"),
+        (FULL.replace('path = "the path"\n', ""), {"1.1.0": "0001-demo.patch"}, "('path')"),
+        (FULL + '\n[fix.releases]\n"1.0.0" = { path = "p" }\n', {}, "releases that have the bug"),
+        (FULL + '\n[fix.releases]\n"1.0.0" = { status = "patched" }\n', {}, "unknown key(s)"),
+        (FULL + '\n[fix.releases]\n"2.0.0" = { reason = "r" }\n', {}, "unknown release 2.0.0"),
+        (FULL.replace("affected = ", "afected = "), {}, "malformed (KeyError: 'affected')"),
+    ],
+)
+def test_contradictory_facts_are_refused_naming_the_fix(
+    tmp_path: Path, fix: str, backports: dict[str, str], message: str
+):
+    root = write(tmp_path, fix, backports)
+    with pytest.raises(catalog_.CatalogError) as error:
+        catalog_.load(root)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("default", "releases", "message"),
+    [
+        ("2.0.0", RELEASES, "the default release '2.0.0' is not one of the releases"),
+        ("1.0.0", '["1.1.0", "1.0.0"]', "oldest first"),
+        ("1.0.0", '["1.0.0", "1.0.0"]', "oldest first"),
+        ("1.0.0", '["1.0.0", "one"]', "'one' is not a release number"),
+    ],
+)
+def test_the_releases_and_the_default_are_checked(
+    tmp_path: Path, default: str, releases: str, message: str
+):
+    root = write(tmp_path, 'affected = []\nnot_affected = "n"\n', {}, default, releases)
+    with pytest.raises(catalog_.CatalogError, match=message):
+        catalog_.load(root)
+
+
+def test_the_real_catalog_states_each_reason_once():
+    """No fix repeats a reason per release that its fix-level field already says."""
+    text = (CATALOG.root / "catalog.toml").read_text(encoding="utf-8")
+    for fix in CATALOG.fixes:
+        for reason in {c.reason for c in fix.releases.values()}:
+            assert text.count(json.dumps(reason, ensure_ascii=False)) == 1, (fix.id, reason)
+
+
+def test_each_fix_is_found_from_its_id():
+    """Its probe is the module named after it, its backports the files named after it."""
+    assert set(probes.PROBES) == {f.id for f in CATALOG.fixes}
+    for fix in CATALOG.fixes:
+        module = "mla_serve.patching.probes." + fix.id.replace("-", "_")
+        assert probes.PROBES[fix.id].__module__ == module, fix.id
+        for release in CATALOG.releases:
+            for patch in fix.on(release).patches:
+                assert patch.endswith(f"-{fix.id}.patch"), (release, patch)
+
+
+# ---- the fourth status and the one-line verdict, on a real tree -----------------------
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def private_catalog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "patches"
+    shutil.copytree(CATALOG.root, root)
+    monkeypatch.setenv("MLA_SERVE_PATCHES", str(root))
+    return root
+
+
+def test_a_release_without_a_backport_is_affected_applied_and_verified_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    """Remove 0.28.0's backport of dcp-empty-shard-mask: 0.28.0 becomes `affected`, the
+    rest of its series applies, and the manifest, status and verify say the bug is there."""
+    root = private_catalog(tmp_path, monkeypatch)
+    (root / "vllm-0.28.0" / "0003-dcp-empty-shard-mask.patch").unlink()
+    claim = catalog_.load(root).fix("dcp-empty-shard-mask").on("0.28.0")
+    assert claim.status is S.AFFECTED and claim.path and not claim.patches
+
+    target = trees.clone("0.28.0", tmp_path / "tree")
+    code, out, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 0, err
+    assert "dcp-empty-shard-mask             affected         probe fail" in out
+    document = json.loads((target / "vllm" / manifest.FILENAME).read_text())
+    row = next(f for f in document["fixes"] if f["id"] == "dcp-empty-shard-mask")
+    assert (row["status"], row["probe"], row["patches"]) == ("affected", "fail", [])
+    assert "0003-dcp-empty-shard-mask.patch" not in document["series"]["patches"]
+    assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+    assert labels_problems(document, "0.28.0") == []  # an image may say so in its labels
+
+    code, out, _ = run(capsys, "patches", "status", "--target", target)
+    row_text = next(line for line in out.splitlines() if line.startswith("dcp-empty-shard-mask"))
+    assert row_text.split()[1:4] == ["n/a", "AFFECTED:fail", "patched"]
+    assert "AFFECTED = the release has the bug and mla-serve carries no backport" in out
+
+
+def test_affected_claims_are_proven_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    """A tree whose probe passes where the catalog says `affected` is refused by apply and
+    reported by verify: the catalog would be wrong about it."""
+    target = trees.clone("0.28.0", tmp_path / "tree")
+    assert run(capsys, "patches", "apply", "--target", target)[0] == 0  # the fix is in
+    root = private_catalog(tmp_path, monkeypatch)
+    (root / "vllm-0.28.0" / "0003-dcp-empty-shard-mask.patch").unlink()
+    code, _, err = run(capsys, "patches", "verify", "--target", target)
+    assert code == 1
+    assert "DRIFT dcp-empty-shard-mask: probe passes, but the catalog says 0.28.0 is affected" in (
+        err
+    )
+    code, _, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 2 and "Traceback" not in err
+    assert "the catalog says vLLM 0.28.0 has these bugs (no backport), but the probes" in err
+
+
+def test_a_not_affected_verdict_is_one_line_and_asks_for_the_backport_to_go(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    """What the lead does after the GPU run on 0.27.1's dsv4-indexer-capture-shortcut: one
+    line of the catalog; the loader then names the backport to delete. The probe finds the
+    shortcut there but reachable only in eager-break regions, which proves the verdict (and
+    only a verdict: see test_unreachable_proves_only_a_verdict)."""
+    root = private_catalog(tmp_path, monkeypatch)
+    path = root / "catalog.toml"
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    (index,) = [i for i, line in enumerate(lines) if line.startswith('"0.27.1" = { path = "exp')]
+    lines[index] = '"0.27.1" = { not_affected = "GPU run: never baked into a graph" }\n'
+    path.write_text("".join(lines), encoding="utf-8")
+    backport = "vllm-0.27.1/0004-dsv4-indexer-capture-shortcut.patch"
+    with pytest.raises(catalog_.CatalogError, match=f"yet {backport} backports it: delete"):
+        catalog_.load(root)
+    (root / backport).unlink()
+    claim = catalog_.load(root).fix("dsv4-indexer-capture-shortcut").on("0.27.1")
+    assert (claim.status, claim.reason) == (S.NOT_AFFECTED, "GPU run: never baked into a graph")
+    assert (
+        "0004-dsv4-indexer-capture-shortcut.patch"
+        not in catalog_.load(root).series("0.27.1").patches
+    )
+
+    target = trees.clone("0.27.1", tmp_path / "tree")
+    code, out, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 0, err
+    assert "dsv4-indexer-capture-shortcut    not-affected     probe unreachable" in out
+    document = json.loads((target / "vllm" / manifest.FILENAME).read_text())
+    row = next(f for f in document["fixes"] if f["id"] == "dsv4-indexer-capture-shortcut")
+    assert (row["status"], row["probe"]) == ("not-affected", "unreachable")
+    assert "eager_break_during_capture" in row["probe_detail"]
+    assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+    assert labels_problems(document, "0.27.1") == []
+    row["status"] = "upstream"  # "unreachable" bears out a verdict only
+    assert any("probe unreachable" in p for p in labels_problems(document, "0.27.1"))
+
+
+def test_unreachable_proves_only_a_verdict():
+    unreachable = probes.ProbeResult(False, "code there, not reached", unreachable=True)
+    failing = probes.ProbeResult(False, "bug")
+    passing = probes.ProbeResult(True, "fixed")
+    verdict = catalog_.ReleaseStatus(S.NOT_AFFECTED, "GPU run", verdict=True)
+    by_range = catalog_.ReleaseStatus(S.NOT_AFFECTED, "no such code")
+    assert probes.proves(verdict, unreachable) and probes.proves(verdict, passing)
+    assert not probes.proves(verdict, failing)
+    assert not probes.proves(by_range, unreachable) and probes.proves(by_range, passing)
+    for status in (S.PATCHED, S.UPSTREAM):
+        claim = catalog_.ReleaseStatus(status, "r")
+        assert probes.proves(claim, passing) and not probes.proves(claim, unreachable)
+    affected = catalog_.ReleaseStatus(S.AFFECTED, "the bug")
+    assert probes.proves(affected, failing) and not probes.proves(affected, passing)

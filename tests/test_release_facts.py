@@ -1,0 +1,113 @@
+"""The default vLLM release is stated once, in patches/catalog.toml (`default`): every
+place that needs it reads it from there, or holds a copy this test compares."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import trees
+import vllm_standin
+
+from mla_serve.patching import catalog
+
+ROOT = Path(__file__).resolve().parent.parent
+PRINT = ["make", "-s", "--no-print-directory", "--eval", "print-%: ; @echo $($*)"]
+DEFAULT = catalog.load().default
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_VERSION", "MAKEFLAGS")}
+    return {**env, "PYTHON": sys.executable}
+
+
+def _make_default() -> str:
+    """What `make` uses when VLLM_VERSION is not given."""
+    result = subprocess.run(
+        [*PRINT, "print-VLLM_VERSION", f"PYTHON={sys.executable}"],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return result.stdout.strip()
+
+
+def _script_default(script: str) -> str:
+    """The value docker/<script> gives VLLM_VERSION when it is not set: its own assignment
+    line, run by bash in the checkout (the script itself would build an image)."""
+    text = (ROOT / "docker" / script).read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if re.match(r"(PYTHON|VLLM_VERSION)=", line)]
+    assert len(lines) == 2, f"docker/{script}: one PYTHON= and one VLLM_VERSION= line"
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join([*lines, 'echo "$VLLM_VERSION"'])],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return result.stdout.strip()
+
+
+def _dockerfile_default() -> str:
+    text = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    (value,) = re.findall(r"^ARG VLLM_VERSION=(\S+)$", text, re.M)
+    return value
+
+
+def _chart_app_version_release() -> str:
+    text = (ROOT / "helm" / "mla-serve" / "Chart.yaml").read_text(encoding="utf-8")
+    (value,) = re.findall(r'^appVersion:\s*"?[^"\s]*-vllm([^"\s]+)"?\s*$', text, re.M)
+    return value
+
+
+def test_every_copy_of_the_default_release_agrees_with_the_catalog():
+    copies = {
+        "Makefile VLLM_VERSION": _make_default(),
+        "docker/build.sh VLLM_VERSION": _script_default("build.sh"),
+        "docker/smoke.sh VLLM_VERSION": _script_default("smoke.sh"),
+        "docker/Dockerfile ARG VLLM_VERSION": _dockerfile_default(),
+        "helm/mla-serve/Chart.yaml appVersion": _chart_app_version_release(),
+        "tests/trees.py DEFAULT_RELEASE": trees.DEFAULT_RELEASE,
+        "tests/vllm_standin.py VERSION": vllm_standin.VERSION,
+    }
+    wrong = {where: value for where, value in copies.items() if value != DEFAULT}
+    assert not wrong, f"patches/catalog.toml says default = {DEFAULT!r}; these differ: {wrong}"
+
+
+def test_make_and_the_scripts_still_take_another_release():
+    env = {**_environment(), "VLLM_VERSION": "0.29.0"}
+    result = subprocess.run(
+        [*PRINT, "print-VLLM_VERSION", "print-BASE_IMAGE"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.split() == ["0.29.0", "vllm/vllm-openai:v0.29.0"]
+
+
+def test_the_catalog_reader_for_make_and_scripts(tmp_path: Path):
+    command = [sys.executable, "-m", "mla_serve.patching.catalog"]
+    env = {**_environment(), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([*command, "default"], env=env, capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (0, f"{DEFAULT}\n")
+    bad = subprocess.run(
+        [*command, "default"],
+        env={**env, "MLA_SERVE_PATCHES": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == f"mla-serve catalog: no fix catalog at {tmp_path}/catalog.toml\n"
+    usage = subprocess.run([*command, "newest"], env=env, capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage:")
