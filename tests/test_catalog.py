@@ -249,29 +249,26 @@ def test_affected_claims_are_proven_too(
     assert "the catalog says vLLM 0.28.0 has these bugs (no backport), but the probes" in err
 
 
-def test_a_not_affected_verdict_is_one_line_and_asks_for_the_backport_to_go(
+def test_the_0_27_1_verdict_holds_and_a_backport_beside_it_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
-    """What the lead does after the GPU run on 0.27.1's dsv4-indexer-capture-shortcut: one
-    line of the catalog; the loader then names the backport to delete. The probe finds the
+    """0.27.1's dsv4-indexer-capture-shortcut is a verdict (the H200 run of
+    tests/gpu/test_dsv4_capture_path.py): one line of the catalog. The probe finds the
     shortcut there but reachable only in eager-break regions, which proves the verdict (and
-    only a verdict: see test_unreachable_proves_only_a_verdict)."""
+    only a verdict: see test_unreachable_proves_only_a_verdict); a backport left beside a
+    verdict is refused by the loader, which names the file to delete."""
+    claim = CATALOG.fix("dsv4-indexer-capture-shortcut").on("0.27.1")
+    assert claim.status is S.NOT_AFFECTED and claim.verdict and "H200" in claim.reason
+    assert not any("dsv4-indexer" in name for name in CATALOG.series("0.27.1").patches)
+
     root = private_catalog(tmp_path, monkeypatch)
-    path = root / "catalog.toml"
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    (index,) = [i for i, line in enumerate(lines) if line.startswith('"0.27.1" = { path = "exp')]
-    lines[index] = '"0.27.1" = { not_affected = "GPU run: never baked into a graph" }\n'
-    path.write_text("".join(lines), encoding="utf-8")
     backport = "vllm-0.27.1/0004-dsv4-indexer-capture-shortcut.patch"
+    (root / backport).write_text(
+        (root / "vllm-0.27.1" / "0001-dcp-workspace-sizing.patch").read_text()
+    )
     with pytest.raises(catalog_.CatalogError, match=f"yet {backport} backports it: delete"):
         catalog_.load(root)
     (root / backport).unlink()
-    claim = catalog_.load(root).fix("dsv4-indexer-capture-shortcut").on("0.27.1")
-    assert (claim.status, claim.reason) == (S.NOT_AFFECTED, "GPU run: never baked into a graph")
-    assert (
-        "0004-dsv4-indexer-capture-shortcut.patch"
-        not in catalog_.load(root).series("0.27.1").patches
-    )
 
     target = trees.clone("0.27.1", tmp_path / "tree")
     code, out, err = run(capsys, "patches", "apply", "--target", target)

@@ -40,7 +40,7 @@ def matrix(
     for fix in catalog.fixes:
         row = "  ".join(c.ljust(w) for c, w in zip(cells[fix.id], widths, strict=True))
         lines.append(fix.id.ljust(width) + "  " + row)
-    lines.append("n/a = not affected (the release never had the code)")
+    lines.append("n/a = not affected (the code is not there, or never reached: --verbose says why)")
     if any(c.startswith(_SHORT["affected"]) for row in cells.values() for c in row):
         lines.append("AFFECTED = the release has the bug and mla-serve carries no backport for it")
     return "\n".join(line.rstrip() for line in lines)
