@@ -461,22 +461,7 @@ class Proxy:
             await send({"type": "http.response.body", "body": b""})
             if request is None or response.status != 200:
                 return
-            completion = Completion()
-            try:
-                if not keep:
-                    raise ValueError("not kept to classify")
-                document = json.loads(b"".join(kept))
-                if not isinstance(document, dict):
-                    raise ValueError("not an object")
-                completion.add_body(document)
-                if request.guard is not None:
-                    request.guard.add_body(document)
-                    request.guard.settle(completion)
-            except (ValueError, TypeError, AttributeError, RecursionError):
-                self.metrics.unparsed.inc()
-                return
-            del document
-            self.ledger.record(completion, request.model)
+            self._classify_body(kept if keep else None, request)
         finally:
             self._forget(kept)  # the budget back, whatever happened
 
@@ -557,6 +542,26 @@ class Proxy:
         await send({"type": "http.response.body", "body": tail})
         if loop_guard is not None:
             loop_guard.settle(completion)
+        self.ledger.record(completion, request.model)
+
+    def _classify_body(self, kept: list[bytes] | None, request: Request) -> None:
+        """A whole (not streamed) completion: classified and counted, or counted as unparsed
+        (`kept` None: the body was too large to keep)."""
+        completion = Completion()
+        try:
+            if kept is None:
+                raise ValueError("not kept to classify")
+            document = json.loads(b"".join(kept))
+            if not isinstance(document, dict):
+                raise ValueError("not an object")
+            completion.add_body(document)
+            if request.guard is not None:
+                request.guard.add_body(document)
+                request.guard.settle(completion)
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            self.metrics.unparsed.inc()
+            return
+        del document
         self.ledger.record(completion, request.model)
 
     def _forget(self, kept: list[bytes]) -> None:
@@ -972,22 +977,7 @@ class Exchange:
             await self.send({"type": "http.response.body", "body": b""})
             if self.status != 200:
                 return
-            completion = Completion()
-            try:
-                if not self.keep:
-                    raise ValueError("not kept to classify")
-                document = json.loads(b"".join(self.kept))
-                if not isinstance(document, dict):
-                    raise ValueError("not an object")
-                completion.add_body(document)
-                if request.guard is not None:
-                    request.guard.add_body(document)
-                    request.guard.settle(completion)
-            except (ValueError, TypeError, AttributeError, RecursionError):
-                proxy.metrics.unparsed.inc()
-                return
-            del document
-            proxy.ledger.record(completion, request.model)
+            proxy._classify_body(self.kept if self.keep else None, request)
         finally:
             proxy._forget(self.kept)
 
