@@ -38,6 +38,11 @@ from mla_serve.patching import dist, manifest, wheel
 CATALOG = catalog_.load()
 RELEASE = next(r for r in CATALOG.releases if CATALOG.series(r).patches)
 SERIES = CATALOG.series(RELEASE)
+# Every probe passes on the patched tree, but where a verdict says the bug's code is there and
+# never reached (0.27.1's dsv4-indexer-capture-shortcut): there it finds it unreachable.
+EXPECTED_PROBES = {
+    fix.id: "unreachable" if fix.on(RELEASE).verdict else "pass" for fix in CATALOG.fixes
+}
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def test_changed_files_are_the_series_result_and_record_has_their_hashes(built: 
     document = json.loads(manifest_text(built))
     assert document["series"]["digest"] == SERIES.digest
     assert document["vllm_version"] == RELEASE
-    assert all(fix["probe"] == "pass" for fix in document["fixes"])
+    assert {fix["id"]: fix["probe"] for fix in document["fixes"]} == EXPECTED_PROBES
     with zipfile.ZipFile(built.source) as old, zipfile.ZipFile(built.path) as new:
         old_record, new_record = record(old), record(new)
         for row in document["files"]:
@@ -203,7 +208,7 @@ def test_pip_installs_it_into_a_fresh_venv_where_verify_and_the_probes_pass(
     assert status.returncode == 0, status.stderr
     states = json.loads(status.stdout)
     probes = {fix["id"]: fix["probe"] for fix in states["fixes"]}
-    assert probes == {fix.id: "pass" for fix in CATALOG.fixes}, probes
+    assert probes == EXPECTED_PROBES, probes
     patched = [f["id"] for f in states["fixes"] if f["status"] == "patched"]
     assert len(patched) == sum(bool(f.on(RELEASE).patches) for f in CATALOG.fixes) > 0
 

@@ -138,6 +138,8 @@ def test_expectations_follow_the_catalog():
     assert set(later.values()) == {"pass"} and len(later) > len(pristine)  # + warmup keys
     early = {c.test for c in upstream.cases(loaded, "0.28.0", "patched", "cpu")}
     assert not any("test_indexer_dcp_localize" in t for t in early)  # left out, with reason
-    guards = upstream.cases(loaded, "0.27.1", "pristine", "gpu")
+    guards = upstream.cases(loaded, "0.28.0", "pristine", "gpu")  # the fix upstream there
     assert {c.expect for c in guards if c.fix == "dsv4-indexer-capture-shortcut"} == {"pass"}
+    not_affected = upstream.cases(loaded, "0.27.1", "pristine", "gpu")  # a verdict: none run
+    assert not any(c.fix == "dsv4-indexer-capture-shortcut" for c in not_affected)
     json.dumps([c.__dict__ for c in guards])  # what run.sh writes
