@@ -8,7 +8,8 @@
 #     stopped again on exit. Builds use the legacy builder (DOCKER_BUILDKIT=0) and reach
 #     PyPI and Debian through `--network host`; every check runs with `--network none`.
 #  3. A base image from no registry: debootstrap a minimal Debian bookworm, trusting
-#     what this host trusts (its extra CA certificates), then `docker import`.
+#     what this host trusts (its extra CA certificates), then `docker load` of a one-layer
+#     image archive labelled with its architecture (docker/rootfs_image.py).
 #  4. docker/build.sh with VLLM_SOURCE=index: Python from apt, vllm==VLLM_VERSION from
 #     the package index, then mla-serve's stages (wheel, patch layer, manifest, labels).
 #  5. Inside the image: non-root user, `mla-serve patches verify`, `mla-serve sidecar
@@ -66,6 +67,7 @@ case "$PLATFORM" in
     linux/arm64) arch=arm64 ;;
     *) echo "docker/smoke.sh: PLATFORM must be linux/amd64 or linux/arm64, not '$PLATFORM'" >&2; exit 2 ;;
 esac
+image_arch="${arch:-$(dpkg --print-architecture)}"  # what every image here must be labelled
 BASE="mla-serve-smoke/debian:${SUITE}${arch:+-$arch}"
 VLLM_IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}${arch:+-$arch}-base"
 IMAGE="mla-serve-smoke:vllm${VLLM_VERSION}${arch:+-$arch}"
@@ -144,11 +146,15 @@ else
     docker version --format 'started dockerd {{.Server.Version}} (pid '"$dockerd_pid"'), state in '"$STATE"
 fi
 
-step 3/6 "base image $BASE (debootstrap + docker import)"
-if docker image inspect "$BASE" >/dev/null 2>&1; then
-    echo "already built"
+step 3/6 "base image $BASE (debootstrap + docker load)"
+# A base from an earlier run is reused when it is labelled with the architecture asked for
+# (`docker import --platform` left arm64 bases labelled amd64 on Docker 20.10).
+base_arch="$(docker image inspect -f '{{.Architecture}}' "$BASE" 2>/dev/null || true)"
+if [ "$base_arch" = "$image_arch" ]; then
+    echo "already built ($base_arch)"
 else
-    rootfs="$CACHE/image/rootfs-$SUITE"
+    [ -z "$base_arch" ] || echo "rebuilding: $BASE is labelled $base_arch, not $image_arch"
+    rootfs="$CACHE/image/rootfs-$SUITE-$image_arch"
     rm -rf "$rootfs"
     mkdir -p "$(dirname "$rootfs")"
     echo "debootstrap --variant=minbase $SUITE ($MIRROR), log in $STATE/debootstrap.log"
@@ -174,10 +180,12 @@ EOF
     chroot "$rootfs" update-ca-certificates >/dev/null
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
         "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
-    tar --numeric-owner -C "$rootfs" -c . |
-        docker import ${PLATFORM:+--platform "$PLATFORM"} --change 'CMD ["/bin/bash"]' \
-            --message "debootstrap $SUITE minbase" - "$BASE"
+    # One layer, and an image configuration that names its architecture (docker/rootfs_image.py).
+    tar --numeric-owner -C "$rootfs" -cf "$rootfs.tar" .
     rm -rf "$rootfs"
+    python3 docker/rootfs_image.py --layer "$rootfs.tar" --arch "$image_arch" --tag "$BASE" \
+        --comment "debootstrap $SUITE minbase" | docker load
+    rm -f "$rootfs.tar"
 fi
 echo "$BASE: $(mb "$(docker image inspect -f '{{.Size}}' "$BASE")")"
 
@@ -198,6 +206,26 @@ label() { docker image inspect -f "{{ index .Config.Labels \"$1\" }}" "$IMAGE"; 
 user="$(run "$IMAGE" id -u):$(run "$IMAGE" id -g)"
 [ "$user" = 2000:0 ] || { echo "runs as $user, not 2000:0" >&2; exit 1; }
 echo "user: $user ($(run "$IMAGE" id -un))"
+
+echo "-- architecture: the image's label, the kernel it sees, vLLM's compiled code"
+labelled="$(docker image inspect -f '{{.Architecture}}' "$IMAGE")"
+machine="$(run "$IMAGE" uname -m)"
+# e_machine of vLLM's extension module (ELF header offset 18): 62 x86-64, 183 AArch64.
+elf="$(run "$IMAGE" python3 -c '
+import importlib.util as u, pathlib, struct
+folder = pathlib.Path(u.find_spec("vllm").origin).parent
+so = sorted(folder.glob("_C*.so"))[0]
+head = so.read_bytes()[:20]
+assert head[:4] == b"\x7fELF", so
+print(so.name, {62: "x86_64", 183: "aarch64"}.get(struct.unpack_from("<H", head, 18)[0], "other"))
+')"
+expected_machine="$([ "$image_arch" = arm64 ] && echo aarch64 || echo x86_64)"
+echo "label $labelled, uname -m $machine, vllm/$elf"
+if [ "$labelled" != "$image_arch" ] || [ "$machine" != "$expected_machine" ] ||
+    [ "${elf##* }" != "$expected_machine" ]; then
+    echo "the image is not $image_arch ($expected_machine) throughout" >&2
+    exit 1
+fi
 
 echo "-- mla-serve patches verify --manifest $MANIFEST"
 run "$IMAGE" mla-serve patches verify --manifest "$MANIFEST"
