@@ -38,7 +38,10 @@ def config(diff_id: str, arch: str, comment: str, created: str) -> bytes:
         "architecture": arch,
         "os": "linux",
         "created": created,
-        "config": {"Cmd": ["/bin/bash"], "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+        "config": {
+            "Cmd": ["/bin/bash"],
+            "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+        },
         "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
         "history": [{"created": created, "created_by": "rootfs_image.py", "comment": comment}],
     }
@@ -53,9 +56,14 @@ def write_archive(out: IO[bytes], layer: Path, arch: str, tag: str, comment: str
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     blob = config(diff_id, arch, comment, created)
     image_id = hashlib.sha256(blob).hexdigest()
-    manifest = [{"Config": f"{image_id}.json", "RepoTags": [tag], "Layers": [f"{diff_id}/layer.tar"]}]
+    manifest = [
+        {"Config": f"{image_id}.json", "RepoTags": [tag], "Layers": [f"{diff_id}/layer.tar"]}
+    ]
     with tarfile.open(fileobj=out, mode="w|") as archive:
-        for name, data in ((f"{image_id}.json", blob), ("manifest.json", json.dumps(manifest).encode())):
+        for name, data in (
+            (f"{image_id}.json", blob),
+            ("manifest.json", json.dumps(manifest).encode()),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
