@@ -274,7 +274,9 @@ grep "matches $MANIFEST" "$STATE/serve.txt"
 echo "-- HEALTHCHECK on a running sidecar"
 cid="$(docker run -d --network none --health-interval 2s "$IMAGE" sidecar)"
 health=starting
-for _ in $(seq 60); do
+tries=60  # seconds, about; under emulation Python starts many times slower
+[ -z "$arch" ] || [ "$arch" = "$host_arch" ] || tries=300
+for _ in $(seq "$tries"); do
     health="$(docker inspect -f '{{.State.Health.Status}}' "$cid")"
     [ "$health" = starting ] || break
     sleep 1
