@@ -215,7 +215,7 @@ elf="$(run "$IMAGE" python3 -c '
 import importlib.util as u, pathlib, struct
 folder = pathlib.Path(u.find_spec("vllm").origin).parent
 so = sorted(folder.glob("_C*.so"))[0]
-head = so.read_bytes()[:20]
+head = so.open("rb").read(20)
 assert head[:4] == b"\x7fELF", so
 print(so.name, {62: "x86_64", 183: "aarch64"}.get(struct.unpack_from("<H", head, 18)[0], "other"))
 ')"
