@@ -89,17 +89,24 @@ def test_the_base_archive_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
 _SHOW = """sh -c 'echo "%s"'"""  # in place of build.sh: what it would be run with
 
 
-def test_make_image_builds_one_image_per_platform() -> None:
-    """`make image` (dry run) runs build.sh once for linux/amd64 and once for linux/arm64, each
-    tagged with its architecture; PLATFORMS= builds the host's only, untagged."""
+def _make_n(*args: str) -> str:
+    """`make -n` as from a shell, also when pytest itself runs under make (`make test`)."""
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS"}}
     done = subprocess.run(
-        ["make", "-n", "image", "IMAGE=reg/mla-serve:1"],
+        ["make", "--no-print-directory", "-n", *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    script = done.stdout
+    return done.stdout
+
+
+def test_make_image_builds_one_image_per_platform() -> None:
+    """`make image` (dry run) runs build.sh once for linux/amd64 and once for linux/arm64, each
+    tagged with its architecture; PLATFORMS= builds the host's only, untagged."""
+    script = _make_n("image", "IMAGE=reg/mla-serve:1")
     traced = subprocess.run(
         ["bash", "-c", script.replace("docker/build.sh", _SHOW % "$PLATFORM $IMAGE")],
         cwd=ROOT,
@@ -111,11 +118,9 @@ def test_make_image_builds_one_image_per_platform() -> None:
         "linux/amd64 reg/mla-serve:1-amd64",
         "linux/arm64 reg/mla-serve:1-arm64",
     ]
-    done = subprocess.run(
-        ["make", "-n", "image", "PLATFORMS="], cwd=ROOT, capture_output=True, text=True, check=True
-    )
+    script = _make_n("image", "PLATFORMS=")
     traced = subprocess.run(
-        ["bash", "-c", done.stdout.replace("docker/build.sh", _SHOW % "[$PLATFORM] [$IMAGE]")],
+        ["bash", "-c", script.replace("docker/build.sh", _SHOW % "[$PLATFORM] [$IMAGE]")],
         cwd=ROOT,
         capture_output=True,
         text=True,
