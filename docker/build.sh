@@ -69,6 +69,23 @@ case "$PLATFORM" in
     *) echo "docker/build.sh: PLATFORM must be linux/amd64 or linux/arm64, not '$PLATFORM'" >&2; exit 2 ;;
 esac
 
+# A foreign architecture's RUN steps need the engine's kernel to run its binaries: on a local
+# engine that is qemu-user-static registered through binfmt_misc (docker/README.md). A remote
+# engine or builder (DOCKER_HOST=tcp://..., a buildx node of that architecture) is not checked.
+if [ -n "$PLATFORM" ] && [[ "${DOCKER_HOST:-unix://}" == unix://* ]]; then
+    engine_arch="$(docker version --format '{{.Server.Arch}}' 2>/dev/null || true)"
+    machine="${PLATFORM#linux/}"
+    machine="${machine/arm64/aarch64}"
+    machine="${machine/amd64/x86_64}"
+    binfmt="${BINFMT_DIR:-/proc/sys/fs/binfmt_misc}"
+    if [ -n "$engine_arch" ] && [ "$engine_arch" != "${PLATFORM#linux/}" ] &&
+        ! grep -qsx enabled "$binfmt"/qemu-"$machine"*; then
+        echo "docker/build.sh: the engine is $engine_arch and cannot run $PLATFORM binaries: no" \
+             "binfmt_misc entry qemu-$machine (install qemu-user-static, or build on a $PLATFORM host)" >&2
+        exit 2
+    fi
+fi
+
 case "$BASE_IMAGE" in
     *@sha256:*) BASE_IMAGE_DIGEST="${BASE_IMAGE##*@}" ;;
     *@*) echo "docker/build.sh: BASE_IMAGE digest must be sha256: $BASE_IMAGE" >&2; exit 2 ;;

@@ -114,7 +114,8 @@ def test_the_image_runs_as_a_non_root_user_with_entrypoints_and_a_healthcheck() 
     copies = " ".join(rest for word, rest in final if word == "COPY")
     assert "docker/entrypoint.sh /usr/local/bin/mla-serve-entrypoint" in copies
     assert "docker/healthcheck.py /usr/local/bin/mla-serve-healthcheck" in copies
-    for script in ("entrypoint.sh", "healthcheck.py", "labels.py", "build.sh", "smoke.sh"):
+    for script in ("entrypoint.sh", "healthcheck.py", "labels.py", "build.sh", "smoke.sh",
+                   "rootfs_image.py"):  # fmt: skip
         assert os.access(DOCKER / script, os.X_OK), f"docker/{script} must be executable"
 
 
