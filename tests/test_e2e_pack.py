@@ -7,18 +7,15 @@ outside the dropped payloads, and zeroes the payloads of other architectures.
 
 from __future__ import annotations
 
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from e2e import fatbin
+
+from mla_serve.patching import wheel
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-
-import fatbin  # noqa: E402
-
-from mla_serve.patching import wheel  # noqa: E402
 
 MODULE = "vllm/_flashmla_extension_C.abi3.so"  # small, with sm_90 and sm_100 cubins
 
