@@ -74,6 +74,20 @@ def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
 
 
 @pytest.fixture
+def sidecar(vllm: StandIn, serve_sidecar: Callable[[Settings], str]) -> Callable[..., str]:
+    """Start sidecars in front of the stand-in `vllm`, with Settings overrides as keywords;
+    returns each one's URL. (Suites with a sidecar of their own override this fixture.)"""
+
+    from mla_serve.sidecar.settings import Settings
+
+    def start(**overrides: object) -> str:
+        settings = Settings(vllm_url=vllm.url, poll_interval=0.1, **overrides)  # type: ignore[arg-type]
+        return serve_sidecar(settings)
+
+    return start
+
+
+@pytest.fixture
 def backend_log() -> Iterator[tuple[ModuleType, list[logging.LogRecord]]]:
     """The FlashInfer sparse-MLA backend module of the tree, and the warnings it logs."""
     backend = importlib.import_module("vllm.v1.attention.backends.mla.flashinfer_mla_sparse")
