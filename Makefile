@@ -46,13 +46,13 @@ dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel in build/dist, for
 	$(BIN)/mla-serve patches wheel --vllm-version $(VLLM_VERSION) --out build/dist
 
 lint: $(BIN)/mla-serve check-generated  ## ruff (lint + format check), mypy, generated files current
-	$(BIN)/ruff check mla_serve tests helm
-	$(BIN)/ruff format --check mla_serve tests helm
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 format: $(BIN)/mla-serve  ## apply ruff's formatting and safe fixes
-	$(BIN)/ruff check --fix mla_serve tests helm
-	$(BIN)/ruff format mla_serve tests helm
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # Files written by helm/tools from one source each: the chart's values.schema.json and README
 # tables from the annotated values.yaml (and profiles/), its Grafana dashboard.

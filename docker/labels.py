@@ -8,8 +8,8 @@
   labels.py check --manifest FILE --vllm-version V --series-digest D --fixes F
       (inside the image, after `apply` and `verify`) fails unless the manifest is
       for release V, records series digest D and exactly the fix statuses F with
-      every probe bearing its status out (PROBE_PROVES), and unless mla-serve's engine plugin is registered
-      with vLLM; prints the fixes the image carries.
+      every probe bearing its status out (PROBE_PROVES), and unless mla-serve's engine
+      plugin is registered with vLLM; prints the fixes the image carries.
 Standard library only in `check`: it runs under the base image's Python.
 """
 

@@ -22,13 +22,9 @@ if TYPE_CHECKING:
 
     from mla_serve.sidecar.settings import Settings
 
-TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))  # helpers import as plain modules (trees, vllm_standin…)
-sys.path.insert(1, str(TESTS.parent))
+from vllm_tree import CATALOG, Expect
 
-from vllm_tree import CATALOG, Expect  # noqa: E402
-
-from mla_serve.patching import tree as tree_  # noqa: E402
+from mla_serve.patching import tree as tree_
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,7 +34,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     tree = config.getoption("--vllm-tree")
-    if tree:
+    if tree:  # the one sys.path edit: it is what selects the vLLM tree the suite imports
         sys.path.insert(0, str(Path(tree).resolve()))
 
 
@@ -75,6 +71,20 @@ def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def sidecar(vllm: StandIn, serve_sidecar: Callable[[Settings], str]) -> Callable[..., str]:
+    """Start sidecars in front of the stand-in `vllm`, with Settings overrides as keywords;
+    returns each one's URL. (Suites with a sidecar of their own override this fixture.)"""
+
+    from mla_serve.sidecar.settings import Settings
+
+    def start(**overrides: object) -> str:
+        settings = Settings(vllm_url=vllm.url, poll_interval=0.1, **overrides)  # type: ignore[arg-type]
+        return serve_sidecar(settings)
+
+    return start
 
 
 @pytest.fixture

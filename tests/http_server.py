@@ -5,13 +5,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
 
 class ServerThread:
-    def __init__(self, app: Any, lifespan: str = "on", http: str = "auto") -> None:
+    def __init__(
+        self, app: Any, lifespan: Literal["auto", "on", "off"] = "on", http: str = "auto"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -20,7 +22,7 @@ class ServerThread:
             port=self.port,
             log_level="warning",
             lifespan=lifespan,
-            http=http,  # type: ignore[arg-type]
+            http=http,
             timeout_graceful_shutdown=1,  # stalled test handlers must not hold shutdown
         )
         self._server = uvicorn.Server(config)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import trees
+from cli_run import run
 
-from mla_serve import cli
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import manifest, probes
 
@@ -188,12 +188,6 @@ def test_each_fix_is_found_from_its_id():
 
 
 # ---- the fourth status and the one-line verdict, on a real tree -----------------------
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def private_catalog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e import bench
+from http_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-
-import bench  # noqa: E402
 
 UPSTREAM = ROOT / "tests" / "bench" / "passthrough" / "upstream.py"
 BENCH = ROOT / "tests" / "e2e" / "bench.py"
@@ -47,7 +46,7 @@ def envoy_binary(tmp: Path) -> Path | None:
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[tuple[str, int]]:
-    port = bench.free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, str(UPSTREAM), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
@@ -193,7 +192,7 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
     """The live run's own requests, answered with the bytes vLLM 0.33.0 sent for them on an
     H200 (passthrough/replay.py, at their recorded pace): a thinking request streams no token
     chunk there, and still counts as answered, and as a runaway."""
-    port = bench.free_port()
+    port = free_port()
     replay = subprocess.Popen(
         [sys.executable, str(REPLAY), "serve", "--port", str(port), "--recordings",
          str(RECORDING)],

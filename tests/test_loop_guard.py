@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,20 +20,9 @@ import openai
 import pytest
 from loop_corpus import LEGIT
 from scrape import count, samples
-from vllm_standin import StandIn
-
-from mla_serve.sidecar.settings import Settings
 
 MODEL = "glm-5.3-flash"
 MAX_TOKENS = 3000
-
-
-@pytest.fixture
-def sidecar(vllm: StandIn, serve_sidecar: Callable[[Settings], str]) -> Callable[..., str]:
-    def start(**overrides: object) -> str:
-        return serve_sidecar(Settings(vllm_url=vllm.url, poll_interval=0.1, **overrides))  # type: ignore[arg-type]
-
-    return start
 
 
 def client(url: str) -> openai.OpenAI:

@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from scrape import count
-from vllm_standin import StandIn
 
 from mla_serve.sidecar.runaways import Choice
-from mla_serve.sidecar.settings import Settings
 
 MODEL = "glm-5.3-flash"
-
-
-@pytest.fixture
-def sidecar(vllm: StandIn, serve_sidecar: Callable[[Settings], str]) -> Callable[..., str]:
-    def start(**overrides: object) -> str:
-        return serve_sidecar(Settings(vllm_url=vllm.url, poll_interval=0.1, **overrides))  # type: ignore[arg-type]
-
-    return start
 
 
 def client(url: str) -> openai.OpenAI:

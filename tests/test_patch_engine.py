@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import trees
+from cli_run import run
 
-from mla_serve import cli
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import diff, engine, manifest, probes, tree
 
@@ -26,12 +26,6 @@ def snapshot(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and "__pycache__" not in p.parts
     }
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("release", trees.RELEASES)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 import trees
+from cli_run import run
 
 from mla_serve import cli
 from mla_serve.patching import catalog as catalog_
@@ -104,12 +105,6 @@ def report() -> Iterator[None]:
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line_error(code: int, err: str) -> str:

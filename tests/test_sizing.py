@@ -6,6 +6,7 @@ import copy
 import json
 from pathlib import Path
 
+import cli_run
 import pytest
 
 from mla_serve import sizing
@@ -314,9 +315,7 @@ def test_default_batched_tokens_follow_vllm_gpu_tiers():
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(["plan", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return cli_run.run(capsys, "plan", *argv)
 
 
 def test_cli_text(capsys):

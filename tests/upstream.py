@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script (GPU machine): the repo root for `server`
+if str(ROOT) not in sys.path:  # run as a script (GPU machine): the repo root for `mla_serve`
     sys.path.insert(0, str(ROOT))
 
 from mla_serve.patching import catalog as catalog_  # noqa: E402

@@ -288,7 +288,7 @@ class Script:
             self.visible = [] if in_reasoning else tokens
         elif self.outcome == "runaway":  # thinks until the cap, never answers
             self.reasoning = [f"think{i} " for i in range(max_tokens)]
-            self.visible: list[str] = []
+            self.visible = []
             self.finish = "length"
         else:
             self.reasoning = [f"think{i} " for i in range(3)]

@@ -32,9 +32,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(ROOT / "tests"))
-sys.path.insert(2, str(ROOT))
+# Run as a script: passthrough (here), the test helpers (tests/), mla_serve (the repository).
+sys.path[:0] = [str(HERE), str(ROOT / "tests"), str(ROOT)]
 
 from bench_passthrough import LOADGEN, MODEL, run_loadgen  # noqa: E402
 from loop_corpus import LEGIT, LOOPS, stream  # noqa: E402

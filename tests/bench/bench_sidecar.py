@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+# Run as a script: the test helpers (tests/), then mla_serve (the repository) before them.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

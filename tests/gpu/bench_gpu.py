@@ -26,9 +26,8 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository: mla_serve.patching (vllm_tree.py)
-sys.path.insert(0, str(HERE.parent))  # tests/: vllm_tree
-sys.path.insert(0, str(HERE))  # scenarios
+# Run as a script on the GPU machine: scenarios (here), vllm_tree (tests/), mla_serve (the repo).
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
 import scenarios  # noqa: E402
 

@@ -5,6 +5,7 @@ release tree under test."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,11 +19,16 @@ FP8 = torch.float8_e4m3fn
 
 @pytest.fixture(scope="module")
 def standin() -> ModuleType:
-    sys.path.insert(0, str(STANDINS))
-    try:
-        module = importlib.import_module("deep_gemm")
-    finally:
-        sys.path.remove(str(STANDINS))
+    # Loaded from its file under its own name, as the e2e harness installs it; the folder
+    # is not put on sys.path, so nothing else in this process can find it by searching.
+    package = STANDINS / "deep_gemm"
+    spec = importlib.util.spec_from_file_location(
+        "deep_gemm", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["deep_gemm"] = module
+    spec.loader.exec_module(module)
     assert module.IS_MLA_SERVE_TEST_STANDIN
     return module
 

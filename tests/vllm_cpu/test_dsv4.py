@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,8 +114,7 @@ def test_capture_metadata_of_vllms_v2_runner(expect):
     checks that on the GPU)."""
     if expect.release != "0.27.1":
         pytest.skip("0.27.1's V2 runner (the patched cell under scrutiny)")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-    from dsv4_capture import MAX_MODEL_LEN, capture_max_seq_len
+    from gpu.dsv4_capture import MAX_MODEL_LEN, capture_max_seq_len
 
     assert capture_max_seq_len(True, device="cpu") == MAX_MODEL_LEN
     assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
@@ -132,8 +130,7 @@ def test_capture_harness_builds_the_layer_vllm_instantiates_on_cuda(expect):
         pytest.skip("the harness drives 0.27.1's capture path")
     import inspect
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-    from dsv4_capture import Step, attention_class, cuda_platform, layer, run
+    from gpu.dsv4_capture import Step, attention_class, cuda_platform, layer, run
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
     from vllm.config import DeviceConfig, VllmConfig
     from vllm.models.deepseek_v4.attention import DeepseekV4Attention
