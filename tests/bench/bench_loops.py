@@ -42,8 +42,8 @@ from passthrough.procs import Proc, free_port, wait_http  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from mla_serve.sidecar.loops import LoopGuard, LoopPolicy  # noqa: E402
-from mla_serve.sidecar.proxy import _observe  # noqa: E402
-from mla_serve.sidecar.runaways import Completion  # noqa: E402
+from mla_serve.sidecar.proxy import Proxy, ProxySettings  # noqa: E402
+from mla_serve.sidecar.runaways import Completion, Ledger  # noqa: E402
 
 TARGET_GROWTH = 0.20
 
@@ -171,7 +171,10 @@ def hot_path(repeat: int) -> dict[str, Any]:
         "ordinary_text": LEGIT["long_reasoning"][1] * 4,
         "looping_text": LOOPS["paragraph"][1],
     }
-    guard = LoopGuard(LoopPolicy(action="observe"), CollectorRegistry())
+    registry = CollectorRegistry()
+    guard = LoopGuard(LoopPolicy(action="observe"), registry)
+    # The sidecar's own classifier, as it runs per read of vLLM's stream (no network here).
+    proxy = Proxy(ProxySettings(upstream="http://127.0.0.1:9"), Ledger(registry, "bench_"), guard)
     out: dict[str, Any] = {}
     for name, text in texts.items():
         events = sse(chat_chunks(text))
@@ -182,7 +185,7 @@ def hot_path(repeat: int) -> dict[str, Any]:
                 watch = guard.watch({"model": MODEL, "max_tokens": 100000}, "/v1/chat/completions")
                 started = time.process_time()
                 for event in events:
-                    _observe(event, completion, False, watch if mode == "observe" else None)
+                    proxy._observe(event, completion, False, watch if mode == "observe" else None)
                 timings[mode].append(time.process_time() - started)
         per = {m: 1e9 * min(t) / len(events) for m, t in timings.items()}  # µs per 1000
         out[name] = {
