@@ -16,6 +16,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -282,6 +283,22 @@ def test_a_stream_that_stalls_ends_within_the_idle_timeout(sidecar, scripted):
     scripted.plans.append([(HEAD, 0.0), (http_chunks([first]), 30.0)])
     received = stream(url)
     assert received.startswith(first) and b"sent nothing for 2 s" in received
+
+
+def test_an_endless_response_head_is_refused_not_buffered(sidecar, scripted):
+    """vLLM's head never ends (one header line growing past 64 KiB): the client gets a 502
+    at once, not a sidecar buffering it without bound, and the next request is served."""
+    url = sidecar()
+    pad = [(b"a" * 4096, 0.0) for _ in range(40)]  # 160 KiB of one header's value
+    scripted.plans.append([(b"HTTP/1.1 200 OK\r\nx-pad: ", 0.0), *pad, (b"a", 30.0)])
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    started = time.monotonic()
+    response = httpx.post(f"{url}/v1/chat/completions", json=request, timeout=20)
+    assert response.status_code == 502, response.text
+    assert time.monotonic() - started < 10
+    assert "Traceback" not in response.text
+    scripted.plans.append(plan_of(LF, [LF]))
+    assert stream(url) == LF
 
 
 def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, client_kind):

@@ -28,6 +28,11 @@ AVAILABLE = httptools is not None
 
 Headers = list[tuple[bytes, bytes]]
 
+# What vLLM may send before its response's body: status line and headers, in bytes (Envoy's
+# default header limit is 60 KiB; aiohttp's 8 KiB a line). Beyond it the response is refused
+# and the connection dropped: httptools would otherwise buffer an endless header line.
+MAX_HEAD_BYTES = 64 << 10
+
 
 class Sink(Protocol):
     """The consumer of one response; called from the connection's callbacks."""
@@ -52,6 +57,8 @@ class Connection(asyncio.Protocol):
         self.until_close = False  # a body without length: it ends when the connection does
         self.in_body = False
         self.got_bytes = False  # any byte of a response to the current request
+        self.head_bytes = 0  # bytes read before the current response's head was complete
+        self.head_done = False
         self.reused = False
         self.closed = False
         self.paused = False  # reading paused by the consumer (back-pressure)
@@ -66,6 +73,8 @@ class Connection(asyncio.Protocol):
         self.headers = []
         self.got_bytes = False
         self.in_body = False
+        self.head_bytes = 0
+        self.head_done = False
         self.last_read = self.pool.loop.time()
         self.transport.write(payload)
 
@@ -106,15 +115,23 @@ class Connection(asyncio.Protocol):
         self.got_bytes = True
         self.last_read = self.clock()
         sink = self.sink
+        if not self.head_done:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
-            self.sink = None
-            self.abort()
-            sink.fed()
-            sink.lost(f"malformed HTTP from vLLM: {error}", False)
+            self._refuse(sink, f"malformed HTTP from vLLM: {error}")
+            return
+        if not self.head_done and self.head_bytes > MAX_HEAD_BYTES:
+            self._refuse(sink, f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
             return
         sink.fed()
+
+    def _refuse(self, sink: Sink, why: str) -> None:
+        self.sink = None
+        self.abort()
+        sink.fed()
+        sink.lost(why, False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -137,7 +154,7 @@ class Connection(asyncio.Protocol):
             self.informational = True
             self.headers = []
             return
-        self.in_body = True
+        self.in_body = self.head_done = True
         chunked = length = False
         for name, value in self.headers:
             lowered = name.lower()
