@@ -487,14 +487,7 @@ class Proxy:
                 guard.waiting = False
                 if not data:
                     break
-                if (
-                    not pieces
-                    and data.startswith(b"data: {")
-                    and data.find(b"\n") == len(data) - 2
-                    and data.endswith(b"\n\n")
-                    and b"\r" not in data
-                    and not splitter.skipping
-                ):  # vLLM's shape: one whole `data: {...}` event per read
+                if not pieces and not splitter.skipping and _one_event(data):
                     out = one(data, completion, strip, loop_guard)
                 else:
                     out, events, after = splitter.feed(data)
@@ -578,12 +571,7 @@ class Proxy:
         """Feed complete SSE events to the classifier; return the bytes to forward, and
         whether `[DONE]` was among them. When the loop guard stops the stream, nothing after
         the chunk that confirmed the loop is forwarded."""
-        if (
-            events.startswith(b"data: {")
-            and events.find(b"\n") == len(events) - 2
-            and events.endswith(b"\n\n")
-            and b"\r" not in events
-        ):  # vLLM's shape, one event per read: no splitting, no list
+        if _one_event(events):  # no splitting, no list
             return self._one(events, completion, strip_usage, loop_guard), False
         dropped = False
         done = False
@@ -744,14 +732,7 @@ class Exchange:
         assert splitter is not None
         request = self.request
         guard = request.guard
-        if (
-            not splitter.pieces
-            and data.startswith(b"data: {")
-            and data.find(b"\n") == len(data) - 2
-            and data.endswith(b"\n\n")
-            and b"\r" not in data
-            and not splitter.skipping
-        ):  # vLLM's shape: one whole `data: {...}` event per read
+        if not splitter.pieces and not splitter.skipping and _one_event(data):
             if self.head_bytes is None:
                 self.head_bytes = stream_head(data)
             return self.proxy._one(data, self.completion, request.strip_usage, guard)
@@ -1166,6 +1147,16 @@ def _with_usage(body: bytes, options: dict[str, Any] | None) -> bytes:
     inner = body[: end - 1].rstrip(b" \t\r\n")
     comma = b"" if inner.endswith(b"{") else b","
     return inner + comma + b'"stream_options":' + member.encode() + body[end - 1 :]
+
+
+def _one_event(data: bytes) -> bool:
+    """vLLM's shape: one whole `data: {...}` event of one line, LF-terminated, in one read."""
+    return (
+        data.startswith(b"data: {")
+        and data.find(b"\n") == len(data) - 2
+        and data.endswith(b"\n\n")
+        and b"\r" not in data
+    )
 
 
 async def _pump(
