@@ -24,18 +24,23 @@ def _environment() -> dict[str, str]:
     return {**env, "PYTHON": sys.executable}
 
 
-def _make_default() -> str:
-    """What `make` uses when VLLM_VERSION is not given."""
+def _output(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """What `argv`, run in the checkout, prints (it must succeed within a minute)."""
     result = subprocess.run(
-        [*PRINT, "print-VLLM_VERSION", f"PYTHON={sys.executable}"],
+        argv,
         cwd=ROOT,
-        env=_environment(),
+        env=_environment() if env is None else env,
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
     return result.stdout.strip()
+
+
+def _make_default() -> str:
+    """What `make` uses when VLLM_VERSION is not given."""
+    return _output([*PRINT, "print-VLLM_VERSION", f"PYTHON={sys.executable}"])
 
 
 def _script_default(script: str) -> str:
@@ -44,16 +49,7 @@ def _script_default(script: str) -> str:
     text = (ROOT / "docker" / script).read_text(encoding="utf-8")
     lines = [line for line in text.splitlines() if re.match(r"(PYTHON|VLLM_VERSION)=", line)]
     assert len(lines) == 2, f"docker/{script}: one PYTHON= and one VLLM_VERSION= line"
-    result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", "\n".join([*lines, 'echo "$VLLM_VERSION"'])],
-        cwd=ROOT,
-        env=_environment(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return result.stdout.strip()
+    return _output(["bash", "-euo", "pipefail", "-c", "\n".join([*lines, 'echo "$VLLM_VERSION"'])])
 
 
 def _dockerfile_default() -> str:
@@ -84,16 +80,8 @@ def test_every_copy_of_the_default_release_agrees_with_the_catalog():
 
 def test_make_and_the_scripts_still_take_another_release():
     env = {**_environment(), "VLLM_VERSION": "0.29.0"}
-    result = subprocess.run(
-        [*PRINT, "print-VLLM_VERSION", "print-BASE_IMAGE"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert result.stdout.split() == ["0.29.0", "vllm/vllm-openai:v0.29.0"]
+    printed = _output([*PRINT, "print-VLLM_VERSION", "print-BASE_IMAGE"], env)
+    assert printed.split() == ["0.29.0", "vllm/vllm-openai:v0.29.0"]
 
 
 def test_the_catalog_reader_for_make_and_scripts(tmp_path: Path):
