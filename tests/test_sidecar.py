@@ -216,3 +216,43 @@ def test_metrics_follow_prometheus_naming(sidecar, tmp_path):
     for name in names:
         assert name.startswith("mla_serve_") and ":" not in name
     assert json.loads(httpx.get(f"{url}/status").text)["vllm"]["version"] == "0.33.0"
+
+
+def test_models_and_version_are_asked_when_they_can_have_changed_not_on_every_check(vllm):
+    """/health on every check; /v1/models and /version when vLLM turns healthy, while the
+    model readiness wants is not listed, and otherwise every `refresh_every` checks (they
+    cost vLLM's API server a request each, beside the streams it serves)."""
+    import asyncio
+
+    import aiohttp
+
+    from mla_serve.sidecar.vllm_monitor import VllmMonitor
+
+    async def checks(monitor: VllmMonitor, count: int) -> None:
+        async with aiohttp.ClientSession(base_url=vllm.url) as session:
+            monitor._session = session
+            for _ in range(count):
+                await monitor.check()
+
+    polled = vllm.behaviour.polled
+    monitor = VllmMonitor(timeout=2, interval=0, refresh_every=20)
+    asyncio.run(checks(monitor, 45))
+    assert polled == {"/health": 45, "/v1/models": 3, "/version": 3}  # checks 1, 21, 41
+    assert monitor.snapshot.models == ("glm-5.3-flash",) and monitor.snapshot.version
+
+    polled.clear()
+    vllm.behaviour.health_status = 503
+    asyncio.run(checks(monitor, 2))
+    vllm.behaviour.health_status = 200
+    asyncio.run(checks(monitor, 3))  # turned healthy: asked once, then not
+    assert polled == {"/health": 5, "/v1/models": 1, "/version": 1}
+
+    polled.clear()
+    wanting = VllmMonitor(timeout=2, interval=0, refresh_every=20, model="not-loaded-yet")
+    asyncio.run(checks(wanting, 4))  # not listed: asked every check until it is
+    assert polled == {"/health": 4, "/v1/models": 4, "/version": 4}
+    vllm.behaviour.models = ["not-loaded-yet"]
+    polled.clear()
+    asyncio.run(checks(wanting, 4))
+    assert polled == {"/health": 4, "/v1/models": 1, "/version": 1}
+    assert wanting.snapshot.models == ("not-loaded-yet",)

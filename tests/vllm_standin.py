@@ -21,6 +21,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class Behaviour:
     generated_tokens: int = 0  # completion tokens produced (streamed: as they are sent)
     requests: list[dict[str, Any]] = field(default_factory=list)  # bodies received
     headers: list[dict[str, str]] = field(default_factory=list)  # their headers
+    polled: Counter[str] = field(default_factory=Counter)  # /health, /v1/models, /version asked
 
 
 def model_list(names: list[str], max_model_len: int) -> dict[str, Any]:
@@ -134,16 +136,19 @@ class StandIn:
             await asyncio.sleep(self.behaviour.delay)
 
     async def _health(self, request: Request) -> Response:
+        self.behaviour.polled["/health"] += 1
         await self._pause()
         return Response(status_code=self.behaviour.health_status)
 
     async def _models(self, request: Request) -> Response:
+        self.behaviour.polled["/v1/models"] += 1
         await self._pause()
         if self.behaviour.garbage:
             return PlainTextResponse("<html>502 Bad Gateway</html>")
         return JSONResponse(model_list(self.behaviour.models, self.behaviour.max_model_len))
 
     async def _version(self, request: Request) -> Response:
+        self.behaviour.polled["/version"] += 1
         await self._pause()
         if self.behaviour.garbage:
             return PlainTextResponse("not json")

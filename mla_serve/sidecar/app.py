@@ -44,7 +44,10 @@ class Sidecar:
     def create(cls, settings: Settings) -> Sidecar:
         registry = CollectorRegistry()
         monitor = VllmMonitor(
-            settings.probe_timeout, settings.poll_interval, api_key=settings.vllm_api_key
+            settings.probe_timeout,
+            settings.poll_interval,
+            api_key=settings.vllm_api_key,
+            model=settings.model,
         )
         ledger = Ledger(registry, "mla_serve_")
         loops = LoopGuard(settings.loop_policy(), registry)

@@ -46,8 +46,16 @@ class VllmMonitor:
     timeout: float
     interval: float
     api_key: str | None = None  # vLLM's --api-key: /v1/* needs it, /health and /version do not
+    model: str | None = None  # the model readiness wants listed (--model), if any
+    # /v1/models and /version change only when vLLM restarts or loads/unloads an adapter:
+    # asked when /health turns 200, on every check while they are missing (or the model
+    # readiness wants is not listed), and otherwise every `refresh_every` checks; /health on
+    # every check. vLLM answers each of them on its API server's event loop, beside the
+    # streams it serves.
+    refresh_every: int = 20
     snapshot: VllmSnapshot = field(default_factory=VllmSnapshot)
     _session: aiohttp.ClientSession | None = None
+    _since_refresh: int = 0
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Poll through `session` (whose base URL is vLLM's) until cancelled."""
@@ -63,10 +71,14 @@ class VllmMonitor:
         models: tuple[str, ...] = ()
         models_error: str | None = "vLLM is not healthy"
         version = previous.version
-        if health == 200:
+        if health == 200 and not self._refresh_due(previous):
+            models, models_error = previous.models, previous.models_error
+            self._since_refresh += 1
+        elif health == 200:
             (models, models_error), (version, _) = await asyncio.gather(
                 self._models(), self._version()
             )
+            self._since_refresh = 1
         now = time.time()
         up = health == 200
         self.snapshot = VllmSnapshot(
@@ -80,6 +92,14 @@ class VllmMonitor:
             healthy_since=(previous.healthy_since or now) if up else None,
         )
         return self.snapshot
+
+    def _refresh_due(self, previous: VllmSnapshot) -> bool:
+        return (
+            not previous.up
+            or previous.models_error is not None
+            or (self.model is not None and self.model not in previous.models)
+            or self._since_refresh >= self.refresh_every
+        )
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         assert self._session is not None
