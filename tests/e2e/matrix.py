@@ -50,8 +50,11 @@ def site_paths(store: Path, release: str) -> list[str]:
     pins (one site directory per DSL version), the light wheels."""
     meta = json.loads((store / f"vllm-{release}" / "pack.json").read_text())
     site = store / f"deps-{meta['cute_dsl_version']}" / "site"
-    # The DSL's .pth adds dsl_packages, but only site directories read .pth files.
+    # The DSL's .pth adds dsl_packages, but only site directories read .pth files. The
+    # checkout comes first: the carried mla-serve wheel in common/site gives the entry
+    # points (console script, vLLM plugin), the code under test is this checkout's.
     return [
+        str(ROOT),
         str(site),
         str(site / "nvidia_cutlass_dsl" / "dsl_packages"),
         str(store / "common" / "site"),
