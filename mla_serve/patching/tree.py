@@ -31,6 +31,10 @@ class VllmTree:
     version: str
     commit: str | None
     overlay: Mapping[str, str | None] = field(default_factory=dict)
+    # Every tree path asked for through `file` (and so `read`), shared with the trees made
+    # from this one: what a verification depended on (the sidecar re-verifies when one of
+    # them changes on disk).
+    touched: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def with_overlay(self, files: Mapping[str, str | None]) -> VllmTree:
         return replace(self, overlay={**self.overlay, **files})
@@ -41,7 +45,9 @@ class VllmTree:
 
     def file(self, relative: str) -> Path:
         """The path of a tree file; refuses any path that would leave the tree."""
-        return confine(self.root, relative)
+        path = confine(self.root, relative)
+        self.touched.add(relative)
+        return path
 
     def read(self, relative: str) -> str | None:
         """The text of a tree file, or None when the release does not have it."""

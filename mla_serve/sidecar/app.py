@@ -125,7 +125,7 @@ class Sidecar:
         """Verify the manifest; anything that goes wrong fails closed, with the reason."""
         try:
             self.fix_report = await asyncio.to_thread(
-                fixes.check, self.settings.manifest, self.settings.vllm_tree
+                fixes.check, self.settings.manifest, self.settings.vllm_tree, self.fix_report
             )
         except Exception as error:
             self.fix_report = fixes.failed(self.settings.manifest, error)
