@@ -140,3 +140,26 @@ def test_interleaved_worker_lines_keep_each_rank_s_capture() -> None:
     assert figures[1].capture_bytes == int(-5.29 * (1 << 30))
     assert figures[0].capture_bytes == int(0.13 * (1 << 30))
     assert (figures[0].capture_seconds, figures[1].capture_seconds) == (7.0, 8.0)
+
+
+def test_the_log_follower_knows_what_is_unread_without_reading(tmp_path):
+    """`unread` (a stat) decides between a read on the event loop and one in a thread."""
+    path = tmp_path / "vllm.log"
+    log = vllm_log.LogFile(path)
+    assert log.unread() is None  # missing
+    path.write_bytes(b"INFO first line\n")
+    assert log.unread() is None  # never read: the first read may be large, not inline
+    log.refresh()
+    assert log.unread() == 0
+    with path.open("ab") as handle:
+        handle.write(b"INFO a request\n")
+    assert log.unread() == len(b"INFO a request\n")
+    log.refresh()
+    assert log.unread() == 0
+    replaced = tmp_path / "rotated.log"
+    replaced.write_bytes(b"x\n")
+    replaced.replace(path)  # another inode (rotation)
+    assert log.unread() is None
+    log.refresh()
+    path.write_bytes(b"")  # truncated below the offset
+    assert log.unread() is None

@@ -24,6 +24,9 @@ from mla_serve.sidecar.settings import Settings
 from mla_serve.sidecar.vllm_monitor import VllmMonitor
 
 log = logging.getLogger("mla_serve.sidecar")
+# vLLM's log grows by a line per request and a stats line every 10 s: up to this many new
+# bytes are read on the event loop (tens of microseconds), more in a thread.
+LOG_INLINE_BYTES = 64 * 1024
 
 
 @dataclass
@@ -136,9 +139,17 @@ class Sidecar:
             await asyncio.sleep(self.settings.manifest_interval)
 
     async def follow_log_forever(self) -> None:
-        assert self.log_file is not None
+        """Read what vLLM appended to its log every poll interval: on the event loop when it
+        is a few lines (a stat and one small read, cheaper than handing it to a thread),
+        in a thread when it is more, or the file was replaced (a large first read)."""
+        log_file = self.log_file
+        assert log_file is not None
         while True:
-            await asyncio.to_thread(self.log_file.refresh)
+            unread = log_file.unread()
+            if unread is not None and unread <= LOG_INLINE_BYTES:
+                log_file.refresh()
+            else:
+                await asyncio.to_thread(log_file.refresh)
             await asyncio.sleep(self.settings.poll_interval)
 
     async def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:

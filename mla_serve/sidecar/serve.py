@@ -15,10 +15,12 @@ starts a drain: uvicorn stops accepting on both, lets requests in flight finish 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
 import socket
+from types import FrameType
 from typing import Any, ClassVar
 
 import uvicorn
@@ -184,6 +186,32 @@ def protocol(kind: str, limits: Limits) -> type[asyncio.Protocol]:
     return type(f"Sidecar{base.__name__}", (base,), {"limits": limits})
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server with a tick of one second instead of a tenth: the tick refreshes the
+    Date header (once a second either way) and notices `should_exit`, so an idle sidecar
+    wakes nine times a second less. A signal ends the wait at once (`handle_exit` wakes it):
+    SIGTERM starts the drain as promptly as with uvicorn's own loop."""
+
+    _wake: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def main_loop(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # on_tick refreshes the Date header when % 10 == 0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+            should_exit = await self.on_tick(counter)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+
 def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -211,4 +239,4 @@ def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
     )
-    uvicorn.Server(config).run(sockets=sockets)
+    Server(config).run(sockets=sockets)

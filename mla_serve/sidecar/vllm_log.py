@@ -119,6 +119,17 @@ class LogFile:
         self._lock = threading.Lock()
         self.figures: list[RankRecord] = []
 
+    def unread(self) -> int | None:
+        """Bytes appended since the last read (a stat, no read); None when the file is not
+        the one read so far (replaced, truncated, missing) or cannot be looked at."""
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return None
+        if (stat.st_dev, stat.st_ino) != self.identity or stat.st_size < self.offset:
+            return None
+        return stat.st_size - self.offset
+
     def refresh(self) -> list[RankRecord]:
         with self._lock:
             try:
