@@ -14,8 +14,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from crd_subsets import CRD_SCHEMAS
 
+from tests.helm.crd_subsets import CRD_SCHEMAS
 from tests.helm.helm_support import (
     CASES,
     CHART,

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_helm_profiles_plan import FIXTURES, MODELS, plan
-from test_helm_vllm_args import ENV, RELEASE
 
 from mla_serve.patching import wheel
 from tests import trees
@@ -39,6 +37,8 @@ from tests.helm.helm_support import (
     render,
     run,
 )
+from tests.helm.test_helm_profiles_plan import FIXTURES, MODELS, plan
+from tests.helm.test_helm_vllm_args import ENV, RELEASE
 
 GiB = 1 << 30
 

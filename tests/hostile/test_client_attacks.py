@@ -12,9 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from wire import MODEL, ask, exchange, get, post
 
 from tests.hostile.conftest import MEMORY_LIMIT, RssPeak
+from tests.hostile.wire import MODEL, ask, exchange, get, post
 
 MiB = 1 << 20
 
