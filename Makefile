@@ -77,14 +77,14 @@ $(VENV)/.bench-deps: $(BIN)/mla-serve tests/bench/requirements.txt tests/bench/r
 	then touch $@; else grep -iv '^warning' build/bench/proxies-install.log | tail -n 5 || true; fi
 
 bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/bench/*.json
-	$(BIN)/python tests/bench/bench_patches.py --out build/bench/patches.json
-	$(BIN)/python tests/bench/bench_sidecar.py --out build/bench/sidecar.json
-	$(BIN)/python tests/bench/bench_passthrough.py --out build/bench/passthrough.json
-	$(BIN)/python tests/bench/bench_loops.py --out build/bench/loops.json
-	$(BIN)/python tests/bench/bench_replay.py --out build/bench/replay.json
+	$(BIN)/python -m tests.bench.bench_patches --out build/bench/patches.json
+	$(BIN)/python -m tests.bench.bench_sidecar --out build/bench/sidecar.json
+	$(BIN)/python -m tests.bench.bench_passthrough --out build/bench/passthrough.json
+	$(BIN)/python -m tests.bench.bench_loops --out build/bench/loops.json
+	$(BIN)/python -m tests.bench.bench_replay --out build/bench/replay.json
 
 gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into build/gpu-pack
-	$(BIN)/python tests/gpu/pack.py --out build/gpu-pack
+	$(BIN)/python -m tests.gpu.pack --out build/gpu-pack
 
 gpu-test:  ## GPU suite: run on a CUDA machine (no network) over the packed trees
 	bash tests/gpu/run.sh build/gpu-pack
@@ -93,7 +93,7 @@ E2E_RELEASES ?= $(VLLM_VERSION)
 E2E_GPUS ?= 2
 E2E_STACKS ?= $(foreach r,$(E2E_RELEASES),$(r):tp1:patched $(r):b200-tp2-pcp2:patched $(r):b200-tp1-pcp4-dcp4:patched)
 e2e-pack: $(VENV)/.test-deps  ## end to end: carries of vLLM (sm_90 code only), wheels, tiny models, the profiles' layouts into build/e2e (E2E_RELEASES=… E2E_GPUS=2)
-	$(BIN)/python tests/e2e/pack.py --releases $(E2E_RELEASES) --gpus $(E2E_GPUS) --out build/e2e
+	$(BIN)/python -m tests.e2e.pack --releases $(E2E_RELEASES) --gpus $(E2E_GPUS) --out build/e2e
 
 e2e:  ## end to end: on a CUDA machine (no network), real vLLM + sidecar + tests/e2e per stack (E2E_STACKS=release:layout:state…)
 	bash tests/e2e/run.sh unpack build/e2e/*

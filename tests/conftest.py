@@ -18,13 +18,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from vllm_standin import StandIn
-
     from mla_serve.sidecar.settings import Settings
-
-from vllm_tree import CATALOG, Expect
+    from tests.vllm_standin import StandIn
 
 from mla_serve.patching import tree as tree_
+from tests.vllm_tree import CATALOG, Expect
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -48,7 +46,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 @pytest.fixture
 def vllm() -> Iterator[StandIn]:
     """A stand-in vLLM 0.33.0 server on 127.0.0.1 (tests/vllm_standin.py)."""
-    from vllm_standin import StandIn
+    from tests.vllm_standin import StandIn
 
     standin = StandIn().start()
     yield standin
@@ -58,9 +56,8 @@ def vllm() -> Iterator[StandIn]:
 @pytest.fixture
 def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
     """Start sidecars with the given settings on real sockets; returns each one's URL."""
-    from http_server import ServerThread
-
     from mla_serve.sidecar.app import create_app
+    from tests.http_server import ServerThread
 
     servers: list[ServerThread] = []
 

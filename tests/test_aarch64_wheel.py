@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-import trees
 
 from mla_serve import cli
 from mla_serve.patching import catalog, manifest, wheel
+from tests import trees
 
 RELEASE = trees.DEFAULT_RELEASE
 

@@ -14,11 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import trees
-from cli_run import run
 
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import manifest, probes
+from tests import trees
+from tests.cli_run import run
 
 CATALOG = catalog_.load()
 S = catalog_.Status

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import trees
 
 from mla_serve import cli
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import dist, manifest, wheel
+from tests import trees
 
 CATALOG = catalog_.load()
 RELEASE = next(r for r in CATALOG.releases if CATALOG.series(r).patches)

@@ -26,9 +26,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import trees
 
 from mla_serve.patching import catalog, engine, manifest, tree
+from tests import trees
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

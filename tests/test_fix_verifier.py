@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-import trees
 
 from mla_serve.patching import journal
 from mla_serve.sidecar import fixes
+from tests import trees
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,11 @@ flagged, at any point of its stream, under the default settings.
 from __future__ import annotations
 
 import pytest
-from loop_corpus import (
+from prometheus_client import CollectorRegistry
+
+from mla_serve.sidecar.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
+from mla_serve.sidecar.runaways import Completion
+from tests.loop_corpus import (
     CLOSING,
     LEGIT,
     LONG_UNIT,
@@ -18,10 +22,6 @@ from loop_corpus import (
     REASONING_PREFIX,
     stream,
 )
-from prometheus_client import CollectorRegistry
-
-from mla_serve.sidecar.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
-from mla_serve.sidecar.runaways import Completion
 
 CHUNKINGS = ((4,), (1,), (3, 5, 4, 2, 6, 4), (17, 1, 9))
 DEFAULT = LoopConfig()

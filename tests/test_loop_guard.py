@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from loop_corpus import LEGIT
-from scrape import count, samples
+
+from tests.loop_corpus import LEGIT
+from tests.scrape import count, samples
 
 MODEL = "glm-5.3-flash"
 MAX_TOKENS = 3000

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from scrape import count
 
 from mla_serve.sidecar.runaways import Choice
+from tests.scrape import count
 
 MODEL = "glm-5.3-flash"
 

@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import trees
-from cli_run import run
 
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import diff, engine, manifest, probes, tree
+from tests import trees
+from tests.cli_run import run
 
 CATALOG = catalog_.load()
 AFFECTED = trees.PATCHED_RELEASES

@@ -36,12 +36,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trees
-from cli_run import run
 
 from mla_serve import cli
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import engine, journal, manifest, tree
+from tests import trees
+from tests.cli_run import run
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT_DIR = ROOT / "build" / "patch-faults"

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_server import free_port
-from test_sidecar import _plugin_state
-from vllm_standin import StandIn
 
 from mla_serve.plugin import state
 from mla_serve.sidecar.settings import Settings
+from tests.http_server import free_port
+from tests.test_sidecar import _plugin_state
+from tests.vllm_standin import StandIn
 
 
 def _prometheus_binary() -> str:

@@ -9,10 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import trees
-import vllm_standin
-
 from mla_serve.patching import catalog
+from tests import trees, vllm_standin
 
 ROOT = Path(__file__).resolve().parent.parent
 PRINT = ["make", "-s", "--no-print-directory", "--eval", "print-%: ; @echo $($*)"]

@@ -7,9 +7,9 @@ import threading
 import time
 
 import uvicorn
-from http_server import free_port
 
 from mla_serve.sidecar.serve import Server
+from tests.http_server import free_port
 
 
 class Counted(Server):

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trees
 from prometheus_client.parser import text_string_to_metric_families
-from scrape import samples
-from vllm_standin import StandIn
 
 from mla_serve.contract import ManifestCheck, Parallel, RankRecord
 from mla_serve.plugin import state
 from mla_serve.sidecar.settings import Settings
+from tests import trees
+from tests.scrape import samples
+from tests.vllm_standin import StandIn
 
 
 @pytest.fixture

@@ -6,12 +6,12 @@ import copy
 import json
 from pathlib import Path
 
-import cli_run
 import pytest
 
 from mla_serve import sizing
 from mla_serve.cli import main
 from mla_serve.sizing import backend, quant, shape, weights
+from tests import cli_run
 
 MODELS = Path(__file__).parent / "fixtures" / "models"
 GLM52 = MODELS / "GLM-5.2" / "config.json"

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from http_server import ServerThread
-from scrape import count
 
 from mla_serve.sidecar import proxy, upstream
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
+from tests.http_server import ServerThread
+from tests.scrape import count
 
 MODEL = "glm-5.3-flash"
 Plan = list[tuple[bytes, float]]  # raw bytes to write, then seconds to wait

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import upstream
 
 from mla_serve.patching import catalog
+from tests import upstream
 
 RELEASE = "9.9.9"
 FILES = {

@@ -10,11 +10,10 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import trees
-import upstream
 
 from mla_serve import cli
 from mla_serve.patching import catalog
+from tests import trees, upstream
 
 CATALOG = catalog.load()
 RUNS = [

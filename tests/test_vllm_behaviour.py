@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import trees
 
 from mla_serve import cli
 from mla_serve.patching import catalog
+from tests import trees
 
 CATALOG = catalog.load()
 CASES = [(r, "pristine") for r in trees.RELEASES] + [

@@ -28,11 +28,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script (GPU machine): the repo root for `mla_serve`
-    sys.path.insert(0, str(ROOT))
+from mla_serve.patching import catalog as catalog_
 
-from mla_serve.patching import catalog as catalog_  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CACHE = Path(os.environ.get("MLA_SERVE_CACHE", ROOT / ".cache"))
 TIMEOUT_S = 60  # per network read
@@ -265,8 +263,9 @@ def verdict(case: Case, got: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """`upstream.py gpu --tree DIR --release R --state S --out FILE`: the GPU cases of a tree,
-    run from the files `make gpu-pack` carried, with a JSON verdict per case."""
+    """`python -m tests.upstream gpu --tree DIR --release R --state S --out FILE` (from the
+    repository root): the GPU cases of a tree, run from the files `make gpu-pack` carried,
+    with a JSON verdict per case."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

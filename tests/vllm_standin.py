@@ -26,9 +26,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from http_server import ServerThread
-from loop_corpus import LEGIT, LOOPS
-from loop_corpus import stream as tokenize
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
@@ -37,6 +34,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from mla_serve.patching import catalog
+from tests.http_server import ServerThread
+from tests.loop_corpus import LEGIT, LOOPS
+from tests.loop_corpus import stream as tokenize
 
 VERSION = catalog.load().default  # the release the image runs (patches/catalog.toml)
 

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mla_serve.contract import FIGURES, Figure, check_table
+from mla_serve.patching.catalog import Status
 from mla_serve.sidecar.engine import Engine, Rank
 from mla_serve.sidecar.fixes import FixReport
 from mla_serve.sidecar.vllm_monitor import VllmSnapshot
@@ -49,10 +50,17 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
 
+# Every status the catalog derives, in its order: "patched, upstream, not-affected or affected".
+_STATUSES = [status.value for status in Status]
+FIX_INFO_HELP = (
+    f"Sparse-MLA fixes in the image: status {', '.join(_STATUSES[:-1])} or {_STATUSES[-1]}."
+)
+
+
 def _fixes(report: FixReport) -> Iterator[Metric]:
     info = GaugeMetricFamily(
         "mla_serve_fix_info",
-        "Sparse-MLA fixes in the image: status patched, upstream or not-affected.",
+        FIX_INFO_HELP,
         labels=["fix", "status", "vllm_version"],
     )
     for fix in report.fixes:

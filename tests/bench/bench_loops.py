@@ -30,20 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-# Run as a script: passthrough (here), the test helpers (tests/), mla_serve (the repository).
-sys.path[:0] = [str(HERE), str(ROOT / "tests"), str(ROOT)]
+from prometheus_client import CollectorRegistry
 
-from bench_passthrough import LOADGEN, MODEL, run_loadgen  # noqa: E402
-from loop_corpus import LEGIT, LOOPS, stream  # noqa: E402
-from passthrough import proxies  # noqa: E402
-from passthrough.procs import Proc, free_port, wait_http  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
-
-from mla_serve.sidecar.loops import LoopGuard, LoopPolicy  # noqa: E402
-from mla_serve.sidecar.proxy import Proxy, ProxySettings  # noqa: E402
-from mla_serve.sidecar.runaways import Completion, Ledger  # noqa: E402
+from mla_serve.sidecar.loops import LoopGuard, LoopPolicy
+from mla_serve.sidecar.proxy import Proxy, ProxySettings
+from mla_serve.sidecar.runaways import Completion, Ledger
+from tests.bench.bench_passthrough import LOADGEN, MODEL, ROOT, UPSTREAM, run_loadgen
+from tests.bench.passthrough import proxies
+from tests.bench.passthrough.procs import Proc, wait_http
+from tests.http_server import free_port
+from tests.loop_corpus import LEGIT, LOOPS, stream
 
 TARGET_GROWTH = 0.20
 
@@ -67,9 +63,7 @@ def process_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bin_dir = Path(sys.executable).parent
     upstream_port = free_port()
     upstream = Proc(
-        "upstream",
-        [sys.executable, str(HERE / "passthrough" / "upstream.py"), "--port", str(upstream_port)],
-        work / "upstream.log",
+        "upstream", [*UPSTREAM, "--port", str(upstream_port)], work / "upstream.log", cwd=ROOT
     ).start()
     sidecars: dict[str, proxies.Target] = {}
     try:

@@ -42,15 +42,15 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from passthrough import proxies
-from passthrough.procs import CpuMeter, Proc, free_port, wait_http
+from tests.bench.passthrough import proxies
+from tests.bench.passthrough.procs import CpuMeter, Proc, wait_http
+from tests.http_server import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 LOADGEN = HERE / "passthrough" / "loadgen.py"
-UPSTREAM = HERE / "passthrough" / "upstream.py"
+# The stand-in upstream, as a module of the package `tests` (its processes start in ROOT).
+UPSTREAM = [sys.executable, "-m", "tests.bench.passthrough.upstream"]
 MODEL = "glm-5.3-flash"
 TOKEN = re.compile(r'"(?:content|reasoning|reasoning_content)":\s?"(\d+)@\d+ ')
 
@@ -195,8 +195,9 @@ class Bench:
         port = free_port()
         self.upstream = Proc(
             "upstream",
-            [sys.executable, str(UPSTREAM), "--port", str(port), "--model", MODEL],
+            [*UPSTREAM, "--port", str(port), "--model", MODEL],
             self.work / "upstream.log",
+            cwd=ROOT,
         ).start()
         self.procs.append(self.upstream)
         wait_http(self.upstream, f"http://127.0.0.1:{port}/health", 20)

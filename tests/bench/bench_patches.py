@@ -15,13 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script: the test helpers (tests/), then mla_serve (the repository) before them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import trees
-
 from mla_serve.patching import catalog, engine, manifest, tree
+from tests import trees
 
 TARGET_SECONDS = 2.0
 

@@ -43,14 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from passthrough import proxies
-from passthrough.procs import CpuMeter, Proc, free_port, wait_http
+from tests.bench.passthrough import proxies
+from tests.bench.passthrough.procs import CpuMeter, Proc, wait_http
+from tests.http_server import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-REPLAY = HERE / "passthrough" / "replay.py"
+# The replay server and client, as a module of the package `tests` (started in ROOT).
+REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
 RECORDINGS = "tests/e2e/results/*/*/recorded_streams.json"
 PATHS = ("direct", "sidecar", "envoy", "sidecar@base")
 PROXIES = ("sidecar", "envoy", "sidecar@base")
@@ -93,11 +93,11 @@ def completions(admin_url: str) -> float:
 
 
 def run_client(url: str, recordings: list[str], options: list[str], timeout: float) -> Any:
-    argv = [sys.executable, str(REPLAY), "load", "--url", url, "--recordings", *recordings]
+    argv = [*REPLAY, "load", "--url", url, "--recordings", *recordings]
     with tempfile.TemporaryFile("w+") as errors:
         done = subprocess.run(
             argv + options, stdout=subprocess.PIPE, stderr=errors, text=True, timeout=timeout,
-            check=False,
+            check=False, cwd=ROOT,
         )  # fmt: skip
         errors.seek(0)
         stderr = errors.read()
@@ -133,9 +133,9 @@ class Bench:
         port = free_port()
         upstream = Proc(
             "upstream",
-            [sys.executable, str(REPLAY), "serve", "--port", str(port),
-             "--recordings", *self.args.recordings],
+            [*REPLAY, "serve", "--port", str(port), "--recordings", *self.args.recordings],
             self.work / "replay-upstream.log",
+            cwd=ROOT,
         ).start()  # fmt: skip
         self.procs.append(upstream)
         wait_http(upstream, f"http://127.0.0.1:{port}/health", 20)

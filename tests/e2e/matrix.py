@@ -1,6 +1,6 @@
 """Run end-to-end stacks, several at a time: release x layout x pristine/patched.
 
-    python tests/e2e/matrix.py --store DIR --results DIR SPEC [SPEC ...]
+    python -m tests.e2e.matrix --store DIR --results DIR SPEC [SPEC ...]   # from the repo root
 
 SPEC is `release:layout:state`, e.g. `0.29.0:b200-tp1-pcp4-dcp4:pristine`; the layouts
 are the pack's layouts.json (the Helm profiles' command lines, tests/e2e/layouts.py).
@@ -34,12 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.e2e import report
+from tests.e2e.stack import Stack
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-
-import report  # noqa: E402
-from stack import Stack  # noqa: E402
 
 STANDINS = HERE / "standins"
 BINDING_CHECK = "import vllm.third_party.deep_gemm"

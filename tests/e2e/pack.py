@@ -45,16 +45,11 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from mla_serve.patching import catalog, wheel
+from tests import carry
+from tests.e2e import fatbin, layouts, model, parts
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import carry  # noqa: E402
-import fatbin  # noqa: E402
-import layouts  # noqa: E402
-import model  # noqa: E402
-import parts  # noqa: E402
-
-from mla_serve.patching import catalog, wheel  # noqa: E402
 
 ARCH = 90  # the H200
 CARRY_LIMIT = 64 * 2**20

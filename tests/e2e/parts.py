@@ -1,6 +1,6 @@
 """An archive too big for one carry, in parts: `split` here, `join` on the GPU machine.
 
-    python tests/e2e/parts.py join PARTS_DIR ARCHIVE   # exit 0: joined and checked;
+    python -m tests.e2e.parts join PARTS_DIR ARCHIVE   # exit 0: joined and checked;
                                                        # 3: parts still missing
 
 `make e2e-pack` cuts the CuTe DSL's compiled part (61 MB of xz) into parts of PART_BYTES, each
@@ -55,7 +55,7 @@ def join(parts: Path, archive: Path) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "join":
-        print("usage: parts.py join PARTS_DIR ARCHIVE", file=sys.stderr)
+        print("usage: python -m tests.e2e.parts join PARTS_DIR ARCHIVE", file=sys.stderr)
         return 2
     return join(Path(argv[1]), Path(argv[2]))
 

@@ -8,7 +8,8 @@
 # The store (default $TMPDIR/mla-serve-e2e-store) outlives a run while the machine stays
 # warm, so carries of 64 MiB can travel in back-to-back runs. Results go to $OUT (one
 # archive and matrix.json, as a device run brings back at most 8 files) or
-# tests/e2e/results/run/.
+# tests/e2e/results/run/. The scripts run as modules of the package `tests`
+# (`python -m tests.…`) from the repository root, this script's working directory.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${MLA_SERVE_E2E_STORE:-${TMPDIR:-/tmp}/mla-serve-e2e-store}
@@ -43,7 +44,7 @@ case "$verb" in
           deps="$STORE/${name%-part*}"
           mkdir -p "$deps/parts" "$deps/site"
           cp "$dir"/cute-dsl-libs.tar.xz.* "$dir/parts.json" "$deps/parts/" || exit 2
-          $PYTHON tests/e2e/parts.py join "$deps/parts" "$deps/cute-dsl-libs.tar.xz"
+          $PYTHON -m tests.e2e.parts join "$deps/parts" "$deps/cute-dsl-libs.tar.xz"
           case $? in
             0) tar -xJf "$deps/cute-dsl-libs.tar.xz" -C "$deps/site" && rm "$deps/cute-dsl-libs.tar.xz" || exit 2 ;;
             3) ;;
@@ -82,14 +83,14 @@ if [ -z "${CUDA_HOME:-}" ]; then  # DeepGEMM compiles its kernels at run time wi
 fi
 if [ "$verb" = bench ]; then
   [ -d "$STORE/envoy" ] || { echo "no $STORE/envoy: run 'run.sh unpack build/e2e/envoy' first" >&2; exit 2; }
-  $PYTHON tests/e2e/bench.py --store "$STORE" --results "$RESULTS" "$@"
+  $PYTHON -m tests.e2e.bench --store "$STORE" --results "$RESULTS" "$@"
   status=$?
   if [ -n "${OUT:-}" ]; then
     tar -czf "$OUT/e2e-bench.tar.gz" -C "$RESULTS" . && cp "$RESULTS"/bench.json "$RESULTS"/bench.md "$OUT/" 2>/dev/null
   fi
   exit $status
 fi
-$PYTHON tests/e2e/matrix.py --store "$STORE" --results "$RESULTS" ${MLA_SERVE_E2E_ARGS:-} "$@"
+$PYTHON -m tests.e2e.matrix --store "$STORE" --results "$RESULTS" ${MLA_SERVE_E2E_ARGS:-} "$@"
 status=$?
 if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/e2e-results.tar.gz" -C "$RESULTS" . && cp "$RESULTS/matrix.json" "$OUT/" 2>/dev/null

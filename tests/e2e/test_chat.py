@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from model import CONFIG, THINK_END_ID
-from scrape import count, samples
+
+from tests.e2e.model import CONFIG, THINK_END_ID
+from tests.scrape import count, samples
 
 MAX_TOKENS = 16
 # Dummy weights may pick EOS or `</think>` greedily: rule them out, so thinking-on output

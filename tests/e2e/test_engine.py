@@ -16,9 +16,9 @@ import re
 from typing import Any
 
 import pytest
-from scrape import samples
 
 from mla_serve.sidecar import vllm_log as log_parser
+from tests.scrape import samples
 
 # Runtime modes whose graphs each resolved CUDA graph mode captures.
 CAPTURED_MODES = {

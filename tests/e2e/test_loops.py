@@ -26,8 +26,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from model import THINK_END_ID, THINK_ID, build_tokenizer
-from scrape import count, samples
+
+from tests.e2e.model import THINK_END_ID, THINK_ID, build_tokenizer
+from tests.scrape import count, samples
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_PORT_OFFSET = 5  # beside the stack's own sidecar: several stacks run side by side

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from scrape import samples
+
+from tests.scrape import samples
 
 WITHIN_S = 5.0  # poll interval 0.5 s + probe timeout 2 s, with margin
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from report import sync_warnings
+
+from tests.e2e.report import sync_warnings
 
 
 def localizers(tree: Path) -> list[tuple[str, int, int]]:

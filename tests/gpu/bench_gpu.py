@@ -1,5 +1,7 @@
 """What each fix costs on the GPU, for one vLLM tree (run by tests/gpu/run.sh).
 
+    python -m tests.gpu.bench_gpu --release R --state S --vllm-tree DIR --out FILE   # repo root
+
 - topk conversion: side stream ordered by the fine-grained event (FULL/eager)
   vs by `wait_stream` (the piecewise fix), vLLM 0.30.0+ index group;
 - C128A metadata: build + a consumer reading the rows at the width the tree's builder
@@ -25,11 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-# Run as a script on the GPU machine: scenarios (here), vllm_tree (tests/), mla_serve (the repo).
-sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
-
-import scenarios  # noqa: E402
+from tests.gpu import scenarios
 
 
 def gpu_median_us(work: Callable[[], object], runs: int = 200, warmup: int = 20) -> float:
@@ -137,8 +135,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vllm-tree", type=Path, required=True)
     args = parser.parse_args()
+    # Not a bootstrap: the tree under test goes first on the path, as conftest's --vllm-tree
+    # does for the GPU suite, so that `vllm` below is that tree's.
     sys.path.insert(0, str(args.vllm_tree.resolve()))
-    from vllm_tree import Expect
+    from tests.vllm_tree import Expect
 
     expect = Expect(args.release, args.state)
     figures: dict[str, object] = {"release": args.release, "state": args.state}

@@ -6,6 +6,8 @@ the patched tree is made there by `mla-serve patches apply`), as one .tar.xz.
 Plus the light cp312 wheels of tests/gpu/wheels.txt (tests/carry.py), and upstream's
 CUDA tests for the fixes (catalog `gpu`), unchanged from vLLM's sdists, in
 upstream-tests/<release>/ (tests/upstream.py reads them there).
+
+    python -m tests.gpu.pack --out build/gpu-pack   # from the repository root
 """
 
 from __future__ import annotations
@@ -19,12 +21,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+from tests import carry, trees, upstream
 
-import carry  # noqa: E402
-import trees  # noqa: E402
-import upstream  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # The releases we patch, and the default one (patches/catalog.toml).
 RELEASES = (*trees.PATCHED_RELEASES, trees.DEFAULT_RELEASE)
@@ -93,10 +92,11 @@ def closure(release: str) -> list[str]:
         for name in names
     ]
     roots = [str(upstream.CACHE / "upstream-tests" / sdist) for sdist in upstream_gpu_tests()]
+    # cwd: the tree, not this repository, whose package `tests` would shadow upstream's.
     result = subprocess.run(
         [sys.executable, "-c", CLOSURE, str(tree), *IMPORTS, *modules],
         env={"PYTHONPATH": os.pathsep.join([str(tree), *roots]), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, check=True,
+        cwd=tree, capture_output=True, text=True, check=True,
     )  # fmt: skip
     imported = {
         line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("CLOSURE ")

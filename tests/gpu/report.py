@@ -1,4 +1,7 @@
-"""Summarize a GPU suite run into one JSON file (tests/gpu/results/summary.json)."""
+"""Summarize a GPU suite run into one JSON file (tests/gpu/results/summary.json).
+
+python -m tests.gpu.report RESULTS   # from the repository root (tests/gpu/run.sh)
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 # `make gpu-pack` made, patch copies with mla-serve itself, run the GPU suite and
 # upstream's own CUDA tests for the fixes and the GPU benchmarks on every tree, and write
 # the results (JUnit XML, upstream verdicts and bench JSON per tree, one summary JSON) to
-# $OUT or tests/gpu/results/.
+# $OUT or tests/gpu/results/. The scripts run as modules of the package `tests`
+# (`python -m tests.…`) from the repository root, this script's working directory.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PACK=${1:-build/gpu-pack}
@@ -30,13 +31,13 @@ for archive in "$PACK"/trees/vllm-*.tar.xz; do
       --vllm-tree "$WORK/$release/$state" --vllm-state "$state" \
       --junitxml "$RESULTS/runs/junit-$release-$state.xml" || status=1
     # upstream's own CUDA tests for the fixes (catalog [fix.upstream_tests] gpu), unchanged
-    HF_HUB_OFFLINE=1 MLA_SERVE_CACHE="$PACK" $PYTHON tests/upstream.py gpu --tree "$WORK/$release/$state" \
+    HF_HUB_OFFLINE=1 MLA_SERVE_CACHE="$PACK" $PYTHON -m tests.upstream gpu --tree "$WORK/$release/$state" \
       --release "$release" --state "$state" \
       --out "$RESULTS/runs/upstream-$release-$state.json" || status=1
-    $PYTHON tests/gpu/bench_gpu.py --release "$release" --state "$state" \
+    $PYTHON -m tests.gpu.bench_gpu --release "$release" --state "$state" \
       --vllm-tree "$WORK/$release/$state" \
       --out "$RESULTS/runs/bench-$release-$state.json" || status=1
   done
 done
-$PYTHON tests/gpu/report.py "$RESULTS" || status=1
+$PYTHON -m tests.gpu.report "$RESULTS" || status=1
 exit $status

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_tree import mask_dcp_empty_shards
+
+from tests.vllm_tree import mask_dcp_empty_shards
 
 
 def test_empty_dcp_shard_on_the_gpu(expect):

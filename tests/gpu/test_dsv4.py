@@ -14,9 +14,10 @@ one batch shape reads back on replay at another.
 from __future__ import annotations
 
 import pytest
-import scenarios
 import torch
-from scenarios import TOPK
+
+from tests.gpu import scenarios
+from tests.gpu.scenarios import TOPK
 
 
 def test_indexer_replayed_for_a_long_prefix_selects_scored_candidates(expect, monkeypatch):

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import scenarios
 import torch
+
+from tests.gpu import scenarios
 
 
 def test_piecewise_capture_converts_right_with_the_guard(expect):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import helm_python as helm
 import pytest
-from helm_support import CHART, REPO, run
+
+from tests.helm.helm_support import CHART, REPO, run
 
 TOOL = REPO / "helm" / "tools" / "gen_values.py"
 

@@ -10,7 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
 import pytest
-from helm_support import case_documents, find, run
+
+from tests.helm.helm_support import case_documents, find, run
 
 ANSWER = {"role": "assistant", "content": "42", "reasoning": "17 + 25 = 42"}
 RUNAWAY = {"role": "assistant", "content": None, "reasoning": "Let me think. " * 400}

@@ -8,10 +8,10 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from helm_support import documents, find, render, sidecar_container
 
 from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.settings import Settings
+from tests.helm.helm_support import documents, find, render, sidecar_container
 
 
 def sidecar_settings(values: dict[str, Any]) -> Settings:

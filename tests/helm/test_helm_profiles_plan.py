@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helm_support import PROFILES, REPO, case_values, chart, run
+
+from tests.helm.helm_support import PROFILES, REPO, case_values, chart, run
 
 FIXTURES = REPO / "tests" / "fixtures" / "models"
 GiB = 1 << 30

@@ -14,8 +14,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from crd_subsets import CRD_SCHEMAS
-from helm_support import (
+
+from tests.helm.crd_subsets import CRD_SCHEMAS
+from tests.helm.helm_support import (
     CASES,
     CHART,
     GOLDEN_DIR,

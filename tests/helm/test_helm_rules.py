@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from helm_support import CHART, HERE, case_documents, find, promtool, run
+
+from tests.helm.helm_support import CHART, HERE, case_documents, find, promtool, run
 
 RULES_CASE = "monitoring-dsv4-flash"
 ALERTS_TEST = HERE / "promtool" / "alerts_test.yaml"

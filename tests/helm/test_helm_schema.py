@@ -10,7 +10,8 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from helm_support import (
+
+from tests.helm.helm_support import (
     CASES,
     CHART,
     PROFILES_DIR,

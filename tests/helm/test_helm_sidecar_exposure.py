@@ -7,7 +7,8 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from helm_support import (
+
+from tests.helm.helm_support import (
     case_documents,
     case_values,
     documents,

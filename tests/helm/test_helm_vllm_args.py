@@ -15,8 +15,10 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-import trees
-from helm_support import (
+
+from mla_serve.sizing import planning
+from tests import trees
+from tests.helm.helm_support import (
     CASES,
     HERE,
     PROFILES_DIR,
@@ -29,8 +31,6 @@ from helm_support import (
     run,
     vllm_container,
 )
-
-from mla_serve.sizing import planning
 
 RELEASE = trees.DEFAULT_RELEASE  # Chart.yaml appVersion's vLLM (tests/test_release_facts.py)
 SIZES = [1, 2, 4, 8, 16, 32, 64]

@@ -23,12 +23,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trees
-from helm_support import HERE, PROFILES, REPO, case_values, chart, documents, merge, render, run
-from test_helm_profiles_plan import FIXTURES, MODELS, plan
-from test_helm_vllm_args import ENV, RELEASE
 
 from mla_serve.patching import wheel
+from tests import trees
+from tests.helm.helm_support import (
+    HERE,
+    PROFILES,
+    REPO,
+    case_values,
+    chart,
+    documents,
+    merge,
+    render,
+    run,
+)
+from tests.helm.test_helm_profiles_plan import FIXTURES, MODELS, plan
+from tests.helm.test_helm_vllm_args import ENV, RELEASE
 
 GiB = 1 << 30
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_vllm import FakeVllm
-from http_server import free_port
+
+from tests.hostile.fake_vllm import FakeVllm
+from tests.http_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "build" / "hostile" / "report.json"

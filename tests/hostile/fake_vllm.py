@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_standin import VERSION, Script, model_list
+from tests.vllm_standin import VERSION, Script, model_list
 
 CHUNK = 64 * 1024
 OPENAI = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")

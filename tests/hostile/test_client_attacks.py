@@ -12,8 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import MEMORY_LIMIT, RssPeak
-from wire import MODEL, ask, exchange, get, post
+
+from tests.hostile.conftest import MEMORY_LIMIT, RssPeak
+from tests.hostile.wire import MODEL, ask, exchange, get, post
 
 MiB = 1 << 20
 

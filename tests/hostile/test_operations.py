@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
-from fake_vllm import FakeVllm
-from http_server import free_port
-from wire import MODEL, ask, exchange, get, post
+
+from tests.hostile.fake_vllm import FakeVllm
+from tests.hostile.wire import MODEL, ask, exchange, get, post
+from tests.http_server import free_port
 
 MiB = 1 << 20
 

@@ -9,8 +9,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import MEMORY_LIMIT, RssPeak
-from wire import MODEL, ask, exchange, post
+
+from tests.hostile.conftest import MEMORY_LIMIT, RssPeak
+from tests.hostile.wire import MODEL, ask, exchange, post
 
 MiB = 1 << 20
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 import httpx
-import trees
-from scrape import samples
 
 from mla_serve.patching import probes
 from mla_serve.sidecar.settings import Settings
+from tests import trees
+from tests.scrape import samples
 
 
 def _wait(url: str, predicate, timeout: float = 15) -> httpx.Response:

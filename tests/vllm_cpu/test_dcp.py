@@ -6,7 +6,8 @@ import importlib
 
 import pytest
 import torch
-from vllm_tree import mask_dcp_empty_shards
+
+from tests.vllm_tree import mask_dcp_empty_shards
 
 GiB = 1 << 30
 DEFAULT_WORKSPACE = 394 * 1024 * 1024

