@@ -20,7 +20,11 @@ for archive in "$PACK"/trees/vllm-*.tar.xz; do
   release=$(basename "$archive" .tar.xz); release=${release#vllm-}
   mkdir -p "$WORK/$release/pristine" && tar -xJf "$archive" -C "$WORK/$release/pristine"
   states=(pristine)
-  if grep -qv '^#' "patches/vllm-$release/series" 2>/dev/null; then
+  # A patched copy where mla-serve carries backports for the release (patches/catalog.toml:
+  # the series is the release's backport files; there are no series files any more).
+  $PYTHON -m tests.gpu.series "$release"; carried=$?
+  [ "$carried" -le 1 ] || exit 2  # a tree of a release the catalog does not know
+  if [ "$carried" -eq 0 ]; then
     cp -al "$WORK/$release/pristine" "$WORK/$release/patched"  # the engine replaces files
     $PYTHON -m mla_serve.cli patches apply --target "$WORK/$release/patched" || exit 1
     states+=(patched)
