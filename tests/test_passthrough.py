@@ -178,9 +178,25 @@ def test_vllm_down_stalled_or_hanging_never_hangs_the_client(vllm, sidecar):
     assert response.json()["error"]["type"] == "upstream_unavailable"
 
 
-def test_a_client_disconnect_cancels_the_upstream_request(vllm, sidecar):
+def _own_protocol_sidecar(vllm, tmp_path):
+    """The sidecar under its own httptools protocol (serve.protocol, as `mla-serve sidecar`
+    runs it), where a client's leaving is a callback on the request, not a watcher task."""
+    from mla_serve.sidecar import serve
+    from mla_serve.sidecar.app import create_app
+    from mla_serve.sidecar.settings import Settings
+    from tests.http_server import ServerThread
+
+    settings = Settings(vllm_url=vllm.url, state_dir=tmp_path / "state", poll_interval=0.05)
+    limits = serve.Limits(settings.max_header_bytes, settings.header_timeout,
+                          settings.max_connections)  # fmt: skip
+    return ServerThread(create_app(settings), http=serve.protocol("httptools", limits)).start()
+
+
+@pytest.mark.parametrize("server", ["uvicorn's protocol", "the sidecar's protocol"])
+def test_a_client_disconnect_cancels_the_upstream_request(vllm, sidecar, tmp_path, server):
     vllm.behaviour.token_delay = 0.05
-    url = sidecar()
+    own = _own_protocol_sidecar(vllm, tmp_path) if server == "the sidecar's protocol" else None
+    url = own.url if own is not None else sidecar()
     with httpx.stream(
         "POST",
         f"{url}/v1/chat/completions",
@@ -194,6 +210,8 @@ def test_a_client_disconnect_cancels_the_upstream_request(vllm, sidecar):
     while vllm.behaviour.streams_cancelled < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert vllm.behaviour.streams_cancelled == 1  # vLLM saw the disconnect: slot freed
+    if own is not None:
+        own.stop()
 
 
 def test_counters_are_exact_under_concurrency(sidecar):

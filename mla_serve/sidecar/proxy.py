@@ -40,7 +40,7 @@ import ipaddress
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,7 +277,7 @@ class Proxy:
             if classify:
                 inspect(request, self.settings.max_json_values, self.loops, path)
             exchange = self._exchange(scope, path, request, send, classify)
-            await _cancel_on_disconnect(exchange, receive)
+            await _cancel_on_disconnect(exchange, receive, send)
         finally:
             self._release(request)
 
@@ -770,6 +770,9 @@ class Exchange:
             return
         out = self.batch[0] if len(self.batch) == 1 else b"".join(self.batch)
         self.batch.clear()
+        if self.complete:  # vLLM's response ended in this read: one write with the end (_stream)
+            self._queue(out)
+            return
         cycle = self.direct
         if not self.pending and not cycle.flow.write_paused and not cycle.disconnected:
             cycle.transport.write(b"%x\r\n%b\r\n" % (len(out), out))
@@ -905,23 +908,27 @@ class Exchange:
         assert splitter is not None
         try:
             await self._head(keep_length=False)
-            while True:
+            while not self.finished:
                 await self._flush()
-                if self.finished:
-                    break
-                await self._wait()
+                if not self.finished:
+                    await self._wait()
         except BaseException:
             splitter.rest()  # gives its bytes back to the budget
             raise
         completion, guard = self.completion, request.guard
         if splitter.oversized:
             proxy.metrics.unparsed.inc(splitter.oversized)
-        tail = splitter.rest()
+        # What waits (the last read's events, [DONE] among them) goes out with the end of
+        # the response: one write where the loop above would make two.
+        held = b"".join(self.pending)
+        self.pending.clear()
+        self.pending_size = 0
+        tail = held + splitter.rest()
         if guard is not None and guard.stopped:
             # The loop guard ended it (_finish closed vLLM's connection, so vLLM aborts the
             # request and frees its KV cache); the client gets a clean end instead of the rest.
             ending = guard.ending(include_usage=not request.strip_usage)
-            await self.send({"type": "http.response.body", "body": ending})
+            await self.send({"type": "http.response.body", "body": held + ending})
             guard.settle(completion)
             proxy.ledger.record(completion, request.model)
             return
@@ -1229,28 +1236,53 @@ def _error_event(message: str) -> bytes:
     return b"data: " + error_body(502, message, "upstream_error") + b"\n\n"
 
 
-async def _cancel_on_disconnect(exchange: Awaitable[None], receive: Receive) -> None:
+# The attribute on uvicorn's httptools request cycle where the sidecar's own protocol
+# (serve.LimitedHttpTools) looks for a callback when the client's connection is lost.
+CLIENT_GONE = "mla_serve_client_gone"
+
+
+async def _cancel_on_disconnect(
+    exchange: Coroutine[Any, Any, None], receive: Receive, send: Send
+) -> None:
     """Run the exchange in this task; if the client goes away first, cancel it (closing
-    upstream). One watcher task per request; the exchange is not a task of its own."""
+    upstream). Under the sidecar's own httptools protocol the connection's loss calls back
+    (CLIENT_GONE); elsewhere (h11, another server) one watcher task per request waits for
+    ASGI's http.disconnect. The exchange is not a task of its own."""
     task = asyncio.current_task()
     assert task is not None
     gone = False
 
-    async def watch() -> None:
+    def client_gone() -> None:
         nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
+        if not gone:
+            gone = True
+            task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    cycle = _direct_cycle(send)
+    hooked = cycle is not None and hasattr(cycle, CLIENT_GONE)
+    watcher: asyncio.Task[None] | None = None
+    if hooked:
+        setattr(cycle, CLIENT_GONE, client_gone)
+        if cycle.disconnected:  # gone while the body was read: cancelled at the first await
+            client_gone()
+    else:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
     try:
         await exchange
     except asyncio.CancelledError:
         if not gone or task.uncancel() > 0:
             raise  # cancelled from outside (shutdown): not ours to swallow
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        elif hooked:
+            setattr(cycle, CLIENT_GONE, None)
 
 
 async def _start(send: Send, response: aiohttp.ClientResponse, keep_length: bool = False) -> None:

@@ -28,6 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mla_serve.sidecar.app import create_app
+from mla_serve.sidecar.proxy import CLIENT_GONE
 from mla_serve.sidecar.settings import Settings
 
 
@@ -127,13 +128,22 @@ class _Guard:
 
 
 class LimitedHttpTools(_Guard, HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits, and a callback for the pass-through
+    when a client leaves mid-response (proxy.CLIENT_GONE on the request's cycle): it cancels
+    that request's exchange without a watcher task per request."""
+
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._guard_open(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._guard_close()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            gone = getattr(cycle, CLIENT_GONE, None)
+            if gone is not None:
+                gone()
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
@@ -153,6 +163,8 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
+        if self.cycle is not None:  # this protocol calls back when the client leaves
+            setattr(self.cycle, CLIENT_GONE, None)
 
 
 class LimitedH11(_Guard, H11Protocol):
