@@ -32,7 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     tree = config.getoption("--vllm-tree")
-    if tree:  # the one sys.path edit: it is what selects the vLLM tree the suite imports
+    if tree:  # a sys.path edit (bench_gpu has the other): it selects the vLLM tree under test
         sys.path.insert(0, str(Path(tree).resolve()))
 
 

@@ -71,3 +71,20 @@ def test_the_script_starts_as_a_module_of_the_package(module: str, tmp_path: Pat
     assert done.returncode in (0, 2), done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "usage:" in done.stdout + done.stderr
+
+
+def test_every_module_of_tests_loaded_here_has_its_package_name() -> None:
+    """In this process (after collection: in `make test`, every test module and helper),
+    each module loaded from tests/ is `tests.…`: none twice under a bare name."""
+    loaded = {
+        name: Path(module.__file__).resolve()
+        for name, module in list(sys.modules.items())
+        if getattr(module, "__file__", None)
+    }
+    ours = {name: path for name, path in loaded.items() if path.is_relative_to(TESTS)}
+    assert "tests.test_tests_package" in ours
+    assert sorted(n for n in ours if n != "tests" and not n.startswith("tests.")) == []
+    by_path: dict[Path, list[str]] = {}
+    for name, path in ours.items():
+        by_path.setdefault(path, []).append(name)
+    assert {str(p): names for p, names in by_path.items() if len(names) > 1} == {}

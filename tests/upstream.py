@@ -218,9 +218,13 @@ def run(tree: Path, selected: list[Case], report: Path, timeout: int = 900) -> d
             "MLA_SERVE_UPSTREAM_REPORT": str(report),
         }
         report.unlink(missing_ok=True)
+        # -c os.devnull: none of this repository's pytest configuration, which pytest would
+        # find above a cache inside the checkout; its pythonpath (the root) would put the
+        # package `tests` of this repository before upstream's.
         child = subprocess.run(
-            [sys.executable, "-m", "pytest", "--noconftest", "-p", "upstream_report",
-             "-p", "no:cacheprovider", "--continue-on-collection-errors", "-q", "-rfEs",
+            [sys.executable, "-m", "pytest", "-c", os.devnull, "--noconftest",
+             "-p", "upstream_report", "-p", "no:cacheprovider",
+             "--continue-on-collection-errors", "-q", "-rfEs",
              "-W", "ignore::DeprecationWarning", "--rootdir", str(root), *select, *files],
             cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip

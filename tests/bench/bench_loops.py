@@ -44,21 +44,6 @@ from tests.loop_corpus import LEGIT, LOOPS, stream
 TARGET_GROWTH = 0.20
 
 
-def start_sidecar(bin_dir: Path, upstream: int, work: Path, action: str) -> proxies.Target:
-    port = free_port()
-    proc = Proc(
-        f"sidecar-{action}",
-        [
-            str(bin_dir / "mla-serve"), "sidecar",
-            "--vllm-url", f"http://127.0.0.1:{upstream}",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-            "--loop-action", action,
-        ],
-        work / f"sidecar-{action}.log",
-    ).start()  # fmt: skip
-    return proxies.Target("sidecar", f"http://127.0.0.1:{port}", proc)
-
-
 def process_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     bin_dir = Path(sys.executable).parent
     upstream_port = free_port()
@@ -69,7 +54,9 @@ def process_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     try:
         wait_http(upstream, f"http://127.0.0.1:{upstream_port}/health", 30)
         for action in ("off", "observe"):
-            sidecars[action] = start_sidecar(bin_dir, upstream_port, work, action)
+            sidecars[action] = proxies.start_sidecar(
+                bin_dir, upstream_port, work, ["--loop-action", action], f"-{action}"
+            )
             proxies.wait_ready(sidecars[action], 60)
         rounds: dict[str, list[dict[str, Any]]] = {"off": [], "observe": []}
         options = [

@@ -92,11 +92,12 @@ def closure(release: str) -> list[str]:
         for name in names
     ]
     roots = [str(upstream.CACHE / "upstream-tests" / sdist) for sdist in upstream_gpu_tests()]
-    # cwd: the tree, not this repository, whose package `tests` would shadow upstream's.
+    # -P: not the working directory first on the path: this repository's package `tests`
+    # would shadow upstream's.
     result = subprocess.run(
-        [sys.executable, "-c", CLOSURE, str(tree), *IMPORTS, *modules],
+        [sys.executable, "-P", "-c", CLOSURE, str(tree), *IMPORTS, *modules],
         env={"PYTHONPATH": os.pathsep.join([str(tree), *roots]), "PATH": "/usr/bin:/bin"},
-        cwd=tree, capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True,
     )  # fmt: skip
     imported = {
         line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("CLOSURE ")

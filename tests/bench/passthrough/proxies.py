@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import secrets
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,17 +82,22 @@ def versions(names: tuple[str, ...], bench_venv: Path) -> dict[str, str]:
     return out
 
 
-def start_sidecar(bin_dir: Path, upstream: int, work: Path) -> Target:
+def start_sidecar(
+    bin_dir: Path, upstream: int, work: Path, extra: Sequence[str] = (), tag: str = ""
+) -> Target:
+    """The sidecar's CLI in front of `upstream`; `extra`: more flags, `tag`: a suffix of its
+    process and log names, for several sidecars side by side."""
     port, admin = free_port(), free_port()
     proc = Proc(
-        "sidecar",
+        f"sidecar{tag}",
         [
             str(bin_dir / "mla-serve"), "sidecar",
             "--vllm-url", f"http://127.0.0.1:{upstream}",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
             "--admin-port", str(admin),  # /readyz lives there; not 8081: runs may overlap
+            *extra,
         ],
-        work / "sidecar.log",
+        work / f"sidecar{tag}.log",
     ).start()  # fmt: skip
     return Target("sidecar", f"http://127.0.0.1:{port}", proc,
                   ready_url=f"http://127.0.0.1:{admin}")  # fmt: skip
