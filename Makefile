@@ -76,12 +76,15 @@ $(VENV)/.bench-deps: $(BIN)/mla-serve tests/bench/requirements.txt tests/bench/r
 	  -r tests/bench/requirements-proxies.txt > build/bench/proxies-install.log 2>&1; \
 	then touch $@; else grep -iv '^warning' build/bench/proxies-install.log | tail -n 5 || true; fi
 
+# Every benchmark runs even when one misses its target (exit 1); the names of those that did
+# are printed at the end, and make fails then.
+BENCHES = patches sidecar passthrough loops replay
 bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/bench/*.json
-	$(BIN)/python -m tests.bench.bench_patches --out build/bench/patches.json
-	$(BIN)/python -m tests.bench.bench_sidecar --out build/bench/sidecar.json
-	$(BIN)/python -m tests.bench.bench_passthrough --out build/bench/passthrough.json
-	$(BIN)/python -m tests.bench.bench_loops --out build/bench/loops.json
-	$(BIN)/python -m tests.bench.bench_replay --out build/bench/replay.json
+	@failed=""; for name in $(BENCHES); do \
+	  echo "== bench_$$name"; \
+	  $(BIN)/python -m tests.bench.bench_$$name --out build/bench/$$name.json || failed="$$failed $$name"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "bench: missed a target or failed:$$failed (build/bench/*.json)"; exit 1; fi
 
 gpu-pack: $(VENV)/.test-deps  ## GPU suite: pack vLLM trees + light wheels into build/gpu-pack
 	$(BIN)/python -m tests.gpu.pack --out build/gpu-pack
