@@ -520,22 +520,31 @@ class Proxy:
             # The loop guard ends it: closing the connection makes vLLM abort the request
             # and free its KV cache; the client gets a clean end instead of the rest.
             response.close()
-            await send({"type": "http.response.body",
-                        "body": loop_guard.ending(include_usage=not strip)})  # fmt: skip
-            loop_guard.settle(completion)
-            self.ledger.record(completion, request.model)
-            return
-        if failure is None and not done:
+            tail, failure = loop_guard.ending(include_usage=not strip), None
+        elif failure is None and not done:
             failure = "vLLM ended the stream without [DONE]"
+        await self._end_stream(send, tail, failure, completion, loop_guard, request.model)
+
+    async def _end_stream(
+        self,
+        send: Send,
+        tail: bytes,
+        failure: str | None,
+        completion: Completion,
+        guard: ResponseGuard | None,
+        model: str | None,
+    ) -> None:
+        """The last bytes of a classified stream, with an error event after them when vLLM
+        broke it off (`failure`); then the completion settled and counted."""
         if failure is not None:
             self.metrics.truncated.inc()
             if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                 tail += b"\n\n"  # end the partial event, or the error event would join it
             tail += _error_event(failure)
         await send({"type": "http.response.body", "body": tail})
-        if loop_guard is not None:
-            loop_guard.settle(completion)
-        self.ledger.record(completion, request.model)
+        if guard is not None:
+            guard.settle(completion)
+        self.ledger.record(completion, model)
 
     def _classify_body(self, kept: list[bytes] | None, request: Request) -> None:
         """A whole (not streamed) completion: classified and counted, or counted as unparsed
@@ -924,30 +933,18 @@ class Exchange:
         self.pending.clear()
         self.pending_size = 0
         tail = held + splitter.rest()
+        failure = None
         if guard is not None and guard.stopped:
             # The loop guard ended it (_finish closed vLLM's connection, so vLLM aborts the
             # request and frees its KV cache); the client gets a clean end instead of the rest.
-            ending = guard.ending(include_usage=not request.strip_usage)
-            await self.send({"type": "http.response.body", "body": held + ending})
-            guard.settle(completion)
-            proxy.ledger.record(completion, request.model)
-            return
-        failure = None
-        if self.idle_failure is not None:
+            tail = held + guard.ending(include_usage=not request.strip_usage)
+        elif self.idle_failure is not None:
             failure = self.idle_failure
         elif self.broken is not None:
             failure = f"vLLM broke off the stream: {self.broken}"
         elif not self.done:
             failure = "vLLM ended the stream without [DONE]"
-        if failure is not None:
-            proxy.metrics.truncated.inc()
-            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-                tail += b"\n\n"  # end the partial event, or the error event would join it
-            tail += _error_event(failure)
-        await self.send({"type": "http.response.body", "body": tail})
-        if guard is not None:
-            guard.settle(completion)
-        proxy.ledger.record(completion, request.model)
+        await proxy._end_stream(self.send, tail, failure, completion, guard, request.model)
 
     async def _relay(self) -> None:
         proxy, request = self.proxy, self.request
