@@ -203,6 +203,7 @@ def run(tree: Path, selected: list[Case], report: Path, timeout: int = 900) -> d
     not import would make pytest stop before running the other files.
     """
     outcomes: dict[str, str] = {}
+    merged: dict[str, dict[str, str]] = {"tests": {}, "collect": {}, "why": {}}
     groups: dict[tuple[str, bool], list[Case]] = {}
     for case in selected:
         groups.setdefault((case.sdist, case.test.endswith("::")), []).append(case)
@@ -229,18 +230,24 @@ def run(tree: Path, selected: list[Case], report: Path, timeout: int = 900) -> d
             cwd=root, env=env, capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
         recorded = json.loads(report.read_text()) if report.is_file() else {}
+        for key, part in merged.items():  # every group's, not only the last one's
+            part.update(recorded.get(key, {}))
         for case in group:
             outcomes[case.test] = outcome(case.test.removesuffix("::"), recorded)
         if not recorded:
             raise UpstreamError(f"pytest reported nothing:\n{child.stdout[-2000:]}{child.stderr}")
+    report.write_text(json.dumps(merged, indent=1))
     return outcomes
 
 
 def outcome(node: str, recorded: dict[str, dict[str, str]]) -> str:
     """passed / failed / skipped / missing for one requested test, from the reporter's file."""
     path = node.split("::", 1)[0]
-    if recorded.get("collect", {}).get(path) == "failed":
+    collected = recorded.get("collect", {}).get(path)
+    if collected == "failed":
         return "failed"  # the file did not import: the test cannot pass
+    if collected == "skipped":
+        return "skipped"  # the file skipped itself (pytest.skip at module level)
 
     def requested(nodeid: str) -> bool:
         if "::" not in node:  # a whole file
@@ -255,6 +262,14 @@ def outcome(node: str, recorded: dict[str, dict[str, str]]) -> str:
     if "skipped" in runs:
         return "skipped"
     return "passed"
+
+
+def why(node: str, recorded: dict[str, dict[str, str]]) -> str | None:
+    """The end of pytest's report of the requested test's failure (or its file's), if any."""
+    path = node.split("::", 1)[0]
+    found = [text for nodeid, text in recorded.get("why", {}).items()
+             if nodeid == path or nodeid == node or nodeid.startswith(node + "[")]  # fmt: skip
+    return found[0] if found else None
 
 
 def verdict(case: Case, got: str) -> str | None:
@@ -281,10 +296,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     selected = cases(catalog_.load(), args.release, args.state, args.kind)
     args.out = args.out.resolve()  # the child pytest runs elsewhere: its report path too
-    outcomes = run(args.tree.resolve(), selected, args.out.with_suffix(".report.json"))
+    report = args.out.with_suffix(".report.json")
+    outcomes = run(args.tree.resolve(), selected, report)
+    recorded = json.loads(report.read_text())
     rows = [
         {"fix": c.fix, "test": c.test, "sdist": c.sdist, "expect": c.expect,
-         "outcome": outcomes[c.test], "ok": verdict(c, outcomes[c.test]) is None}
+         "outcome": outcomes[c.test], "ok": verdict(c, outcomes[c.test]) is None,
+         "why": why(c.test.removesuffix("::"), recorded)}
         for c in selected
     ]  # fmt: skip
     args.out.write_text(json.dumps({"release": args.release, "state": args.state,
@@ -292,6 +310,8 @@ def main(argv: list[str]) -> int:
     for row in rows:
         print(f"{'ok ' if row['ok'] else 'BAD'} {row['fix']}: {row['test']} {row['outcome']}"
               f" (expected to {row['expect']})")  # fmt: skip
+        if not row["ok"] and row["why"]:
+            print("    " + "\n    ".join(row["why"].splitlines()[-15:]))
     return 0 if all(r["ok"] for r in rows) else 1
 
 
