@@ -101,3 +101,36 @@ def test_left_out_tests_name_a_reason_and_every_patched_cell_its_code_path():
                 assert claim.path, (fix.id, release)  # the code that reaches the bug there
             elif claim.status is not catalog.Status.AFFECTED:
                 assert not claim.path, (fix.id, release)  # no bug, no path to it
+
+
+def test_the_reporter_keeps_why_a_test_failed_and_a_file_skipped(tmp_path: Path):
+    """The verdict of a GPU run must say why (the GPU machine is gone afterwards): the end of
+    pytest's report of a failure, a module-level skip as skipped with its reason, and a
+    passing test with none."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_a.py").write_text(
+        "def test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2, 'the reason'\n"
+    )
+    (tmp_path / "test_b.py").write_text(
+        "import pytest\npytest.skip('no CUDA platform', allow_module_level=True)\n"
+        "def test_never():\n    pass\n"
+    )
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(upstream.REPORTER.parent),
+           "MLA_SERVE_UPSTREAM_REPORT": str(report)}  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", os.devnull, "--noconftest", "-p", "upstream_report",
+         "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path), "test_a.py", "test_b.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    recorded = json.loads(report.read_text())
+    assert upstream.outcome("test_a.py::test_bad", recorded) == "failed"
+    assert "the reason" in (upstream.why("test_a.py::test_bad", recorded) or "")
+    assert upstream.outcome("test_a.py::test_ok", recorded) == "passed"
+    assert upstream.why("test_a.py::test_ok", recorded) is None
+    assert upstream.outcome("test_b.py::test_never", recorded) == "skipped"
+    assert "no CUDA platform" in (upstream.why("test_b.py::test_never", recorded) or "")

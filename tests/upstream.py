@@ -268,7 +268,7 @@ def why(node: str, recorded: dict[str, dict[str, str]]) -> str | None:
     """The end of pytest's report of the requested test's failure (or its file's), if any."""
     path = node.split("::", 1)[0]
     found = [text for nodeid, text in recorded.get("why", {}).items()
-             if nodeid == path or nodeid == node or nodeid.startswith(node + "[")]  # fmt: skip
+             if nodeid in (path, node) or nodeid.startswith(node + "[")]  # fmt: skip
     return found[0] if found else None
 
 
@@ -310,8 +310,9 @@ def main(argv: list[str]) -> int:
     for row in rows:
         print(f"{'ok ' if row['ok'] else 'BAD'} {row['fix']}: {row['test']} {row['outcome']}"
               f" (expected to {row['expect']})")  # fmt: skip
-        if not row["ok"] and row["why"]:
-            print("    " + "\n    ".join(row["why"].splitlines()[-15:]))
+        reason = row["why"]
+        if not row["ok"] and isinstance(reason, str):
+            print("    " + "\n    ".join(reason.splitlines()[-15:]))
     return 0 if all(r["ok"] for r in rows) else 1
 
 

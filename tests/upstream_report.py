@@ -39,4 +39,5 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     target = os.environ.get("MLA_SERVE_UPSTREAM_REPORT")
     if target:
-        Path(target).write_text(json.dumps({"tests": _TESTS, "collect": _COLLECT, "why": _WHY}, indent=1))
+        recorded = {"tests": _TESTS, "collect": _COLLECT, "why": _WHY}
+        Path(target).write_text(json.dumps(recorded, indent=1))
