@@ -1,8 +1,8 @@
-"""pytest plugin (`-p upstream_report`) for the upstream suite: writes each test's outcome
-and each file's collection result (and the end of pytest's report of each failure) to
-$MLA_SERVE_UPSTREAM_REPORT as JSON, so that
-tests/upstream.py reads them without parsing pytest's text. Upstream's test files run with
-`--noconftest`, so this is the only plugin of ours in that pytest."""
+"""pytest plugin (`-p upstream_report`) for the upstream suite: writes each test's outcome,
+each file's collection result, and why a test failed or a file failed or skipped (the end
+of pytest's report) to $MLA_SERVE_UPSTREAM_REPORT as JSON, so that tests/upstream.py reads
+them without parsing pytest's text. Upstream's test files run with `--noconftest`, so this
+is the only plugin of ours in that pytest."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 _TESTS: dict[str, str] = {}
 _COLLECT: dict[str, str] = {}
-_WHY: dict[str, str] = {}  # the end of pytest's report of each failure, to read without a rerun
+_WHY: dict[str, str] = {}  # the end of pytest's report, to read without a rerun on the GPU
 WHY_CHARS = 4000
 
 
