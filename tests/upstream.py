@@ -249,12 +249,8 @@ def outcome(node: str, recorded: dict[str, dict[str, str]]) -> str:
     if collected == "skipped":
         return "skipped"  # the file skipped itself (pytest.skip at module level)
 
-    def requested(nodeid: str) -> bool:
-        if "::" not in node:  # a whole file
-            return nodeid.startswith(node + "::")
-        return nodeid == node or nodeid.startswith(node + "[")
-
-    runs = [result for nodeid, result in recorded.get("tests", {}).items() if requested(nodeid)]
+    tests = recorded.get("tests", {})
+    runs = [result for nodeid, result in tests.items() if requested(nodeid, node)]
     if not runs:
         return "missing"
     if "failed" in runs:
@@ -264,11 +260,19 @@ def outcome(node: str, recorded: dict[str, dict[str, str]]) -> str:
     return "passed"
 
 
+def requested(nodeid: str, node: str) -> bool:
+    """Whether pytest's `nodeid` is (a parametrization of) the requested test, or a test of
+    the requested file (`node` without `::`)."""
+    if "::" not in node:  # a whole file
+        return nodeid.startswith(node + "::")
+    return nodeid == node or nodeid.startswith(node + "[")
+
+
 def why(node: str, recorded: dict[str, dict[str, str]]) -> str | None:
     """The end of pytest's report of the requested test's failure (or its file's), if any."""
     path = node.split("::", 1)[0]
     found = [text for nodeid, text in recorded.get("why", {}).items()
-             if nodeid in (path, node) or nodeid.startswith(node + "[")]  # fmt: skip
+             if nodeid == path or requested(nodeid, node)]  # fmt: skip
     return found[0] if found else None
 
 
