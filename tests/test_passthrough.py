@@ -8,6 +8,7 @@ slow streams, errors, stalls and disconnects on request.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 from pathlib import Path
 
@@ -143,6 +144,23 @@ def test_status_headers_and_bodies_are_vllms_own(vllm, sidecar):
         client(url).chat.completions.create(**ask("[error] boom"))
     missing = httpx.get(f"{url}/v1/no-such-endpoint")
     assert missing.status_code == 404  # vLLM's answer, passed through
+
+
+@pytest.mark.parametrize("upstream_client", ["direct", "aiohttp"])
+def test_every_response_has_one_date_header(sidecar, upstream_client: str) -> None:
+    """vLLM's server dates its responses, and so does the sidecar's (uvicorn's Date header,
+    refreshed every second): a relayed response keeps the sidecar's one only, as nginx does
+    (HTTP allows one Date field: RFC 9110 section 6.6.1), streamed or not."""
+    url = sidecar(upstream_client=upstream_client)
+    answers = [httpx.post(f"{url}/v1/chat/completions", json=ask("hello", stream=stream))
+               for stream in (False, True)]  # fmt: skip
+    answers.append(httpx.get(f"{url}/v1/models"))  # relayed on every upstream client
+    answers.append(httpx.get(f"{url}/v1/no-such-endpoint"))  # vLLM's 404, relayed
+    answers.append(httpx.get(f"{url}/v2/models"))  # the sidecar's own 404
+    for response in answers:
+        dates = response.headers.get_list("date")
+        assert len(dates) == 1, (response.request.url, dates)
+        assert email.utils.parsedate_to_datetime(dates[0]).tzinfo is not None
 
 
 def test_bad_requests_get_openai_errors(sidecar):

@@ -4,7 +4,8 @@ Written as a bare ASGI app on aiohttp's client, not FastAPI routes: every SSE
 chunk passes through here, and per-chunk overhead is the product. Bytes go
 out as they arrive and unchanged (complete SSE events per upstream read, never
 the whole response); status, headers and bodies are vLLM's own, less the
-hop-by-hop headers a proxy must not pass on.
+hop-by-hop headers a proxy must not pass on and vLLM's Date (the sidecar dates its
+responses itself: one Date field, as nginx does).
 
 Only the routes in `routes.OPENAI_ROUTES` (plus `--extra-routes`) are forwarded,
 checked on the normalized path; everything else is a 404 here.
@@ -72,7 +73,10 @@ HOP_BY_HOP = frozenset(
 NOT_FORWARDED = HOP_BY_HOP | {
     b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-proto"
 }  # fmt: skip
-NOT_RETURNED = HOP_BY_HOP | {b"content-length"}
+# vLLM's Date is not returned: the sidecar's server dates every response it sends (uvicorn's
+# Date header, from the same clock as vLLM's in the pod), and HTTP allows one Date field
+# (RFC 9110 section 6.6.1); nginx drops the upstream's Date the same way.
+NOT_RETURNED = HOP_BY_HOP | {b"content-length", b"date"}
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
