@@ -277,6 +277,31 @@ def test_slow_headers_and_stalled_bodies_time_out(sidecar, attack):
     check.check(head.status == 408 and head.seconds < 5, f"head: {head.status} {head.seconds:.1f}")
     check.check(body.status == 408 and body.seconds < 5, f"body: {body.status} {body.seconds:.1f}")
     check.check(_openai_error(body) and _openai_error(head), "not JSON errors")
+    # The deadline holds for every head of a keep-alive connection, not only its first: a
+    # second head started 0.7 s into the first one's second (--header-timeout 1) and left
+    # unfinished is cut off a second after it began, not when the first one's timer was due.
+    with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
+        sock.sendall(get("/v1/models"))
+        first = b""
+        while not _whole(first):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            first += piece
+        time.sleep(0.7)
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        second = b""
+        while b"\r\n\r\n" not in second:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            second += piece
+        late = time.monotonic() - started
+    check.figures.update(keep_alive_head_s=round(late, 2))
+    check.check(first.startswith(b"HTTP/1.1 200"), f"first request: {first[:40]!r}")
+    check.check(second.startswith(b"HTTP/1.1 408") and 0.9 <= late < 3,
+                f"second head: {second[:40]!r} after {late:.2f} s")  # fmt: skip
     check.done()
 
 
@@ -309,3 +334,12 @@ def test_no_traceback_in_the_sidecar_log(sidecar, attack):
     held = sidecar.metric("mla_serve_buffered_bytes")
     check.check(held == 0, f"{held} bytes still counted as buffered")
     check.done()
+
+
+def _whole(data: bytes) -> bool:
+    """A response with a Content-Length, complete."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if sep and line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":")[1])
+    return False
