@@ -296,41 +296,33 @@ class Proxy:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise Refused(413, f"request body over {limit} bytes")
-        cycle = getattr(receive, "__self__", None)
-        if type(cycle) is _HTTPTOOLS_CYCLE and not getattr(cycle, "more_body", True):
-            # uvicorn's httptools cycle holds the whole body already (it mostly comes with
-            # the head): receive() returns it at once, there is no wait to bound.
-            self._take_body(await receive(), request, limit)
-        else:
-            loop = asyncio.get_running_loop()
-            try:
-                async with asyncio.timeout(None) as guard:
-                    more = True
-                    while more:
-                        guard.reschedule(loop.time() + self.settings.body_timeout)
-                        more = self._take_body(await receive(), request, limit)
-            except TimeoutError:
-                raise Refused(
-                    408, f"request body stalled for {self.settings.body_timeout:g} s"
-                ) from None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as guard:
+                while True:
+                    guard.reschedule(loop.time() + self.settings.body_timeout)
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = message.get("body", b"")
+                    if request.held + len(chunk) > limit:
+                        raise Refused(413, f"request body over {limit} bytes")
+                    if not self.budget.take(len(chunk)):
+                        raise Refused(
+                            503, "the sidecar is at its in-flight request body limit; retry",
+                            "server_busy",
+                        )  # fmt: skip
+                    request.held += len(chunk)
+                    if chunk:
+                        request.body.append(chunk)
+                    if not message.get("more_body"):
+                        break
+        except TimeoutError:
+            raise Refused(
+                408, f"request body stalled for {self.settings.body_timeout:g} s"
+            ) from None
         if len(request.body) > 1:
             request.body[:] = [b"".join(request.body)]
-
-    def _take_body(self, message: Message, request: Request, limit: int) -> bool:
-        """Keep one ASGI receive message's piece of the body; True while more follow."""
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if request.held + len(chunk) > limit:
-            raise Refused(413, f"request body over {limit} bytes")
-        if not self.budget.take(len(chunk)):
-            raise Refused(
-                503, "the sidecar is at its in-flight request body limit; retry", "server_busy"
-            )
-        request.held += len(chunk)
-        if chunk:
-            request.body.append(chunk)
-        return bool(message.get("more_body"))
 
     async def _exchange(
         self, scope: Scope, path: str, request: Request, send: Send, classify: bool
@@ -1016,7 +1008,7 @@ def _httptools_cycle() -> type | None:
         from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
     except ImportError:
         return None
-    needed = ("transport", "flow", "disconnected", "more_body")
+    needed = ("transport", "flow", "disconnected")
     probe = RequestResponseCycle.__init__.__code__.co_names
     return RequestResponseCycle if all(name in probe for name in needed) else None
 

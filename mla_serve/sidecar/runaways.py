@@ -172,9 +172,6 @@ class Ledger:
             registry=registry,
         )
         self.recent: deque[Runaway] = deque(maxlen=recent)
-        # completions_total's children by (model, finish_reason): `labels()` checks and locks
-        # on every call, and every request through the pass-through counts one or more.
-        self.finished: dict[tuple[str, str], Any] = {}
 
     def record(self, completion: Completion, fallback_model: str | None) -> int:
         """Count every finished choice; return how many were runaways."""
@@ -182,11 +179,7 @@ class Ledger:
         runaways = 0
         looped = False
         for choice in completion.choices.values():
-            key = (model, choice.finish_reason or "error")
-            counter = self.finished.get(key)
-            if counter is None:
-                counter = self.finished[key] = self.completions.labels(*key)
-            counter.inc()
+            self.completions.labels(model, choice.finish_reason or "error").inc()
             if choice.runaway:
                 runaways += 1
                 self.runaways.labels(model).inc()

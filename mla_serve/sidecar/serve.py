@@ -84,34 +84,26 @@ class _Guard:
             self._counted = False
             self.limits.open[self._port] -= 1
         self._head_done()
+
+    def _head_started(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_late)
+
+    def _head_done(self) -> None:
+        self._in_head = False
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _head_started(self) -> None:
-        """A head begins: it must be complete within `header_timeout`. One timer serves a
-        keep-alive connection's heads in turn: armed when none is pending, and when it
-        fires it re-arms for the head in progress if that one's deadline is later (so a
-        request costs no timer of its own)."""
-        self._in_head = True
-        self._head_bytes = 0
-        self._head_deadline = self.loop.time() + self.limits.header_timeout
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_at(self._head_deadline, self._head_late)
-
-    def _head_done(self) -> None:
-        self._in_head = False
-
     def _head_late(self) -> None:
         self._head_timer = None
-        if not self._in_head or self.transport.is_closing():
-            return
-        if self.loop.time() < self._head_deadline:  # a later head than the one it was armed for
-            self._head_timer = self.loop.call_at(self._head_deadline, self._head_late)
-            return
-        message = f"request headers not received within {self.limits.header_timeout:g} s"
-        self.transport.write(_reply(408, "Request Timeout", message))
-        self.transport.close()
+        if self._in_head and not self.transport.is_closing():
+            message = f"request headers not received within {self.limits.header_timeout:g} s"
+            self.transport.write(_reply(408, "Request Timeout", message))
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP (smuggling, bad chunks, NUL bytes): an OpenAI-style JSON 400, as
