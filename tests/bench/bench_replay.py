@@ -40,11 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tests.bench.passthrough import proxies
 from tests.bench.passthrough.procs import CpuMeter, Proc, wait_http
+from tests.e2e.bench import cpu_of
 from tests.http_server import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -194,6 +196,80 @@ class Bench:
             figures["sidecar_completions_counted"] = counted
             figures["counting_exact"] = counted == requests == figures["completed"]
         return figures
+
+    def paired(self, concurrency: int, rounds: int) -> dict[str, Any]:
+        """`sidecar` and `sidecar@base` loaded at the same time (a client each, the same
+        requests), the other paths paused: both meet the same machine noise, so their CPU
+        ratio per round is much steadier than that of two paths measured one after the
+        other, whose load differs with whatever else the 2-core machine runs then."""
+        requests = requests_for(concurrency, self.args.scale)
+        names = list(SIDECARS)
+        per_round: list[dict[str, Any]] = []
+        ratios: list[float] = []
+        cpu_total = dict.fromkeys(names, 0.0)
+        events_total = dict.fromkeys(names, 0)
+        for number in range(rounds):
+            for target in self.targets.values():
+                if target.proc is not None:
+                    target.proc.pause(target.name not in names)
+            options = [
+                "--concurrency", str(concurrency), "--requests", str(requests),
+                "--pace", "recorded", "--offset", str(number * 7),
+            ]  # fmt: skip
+            before = {name: completions(self.admin[name]) for name in names}
+            pids = {name: self.targets[name].proc.pid for name in names}  # type: ignore[union-attr]
+            run0 = {name: cpu_of(pid)["schedstat_s"] for name, pid in pids.items()}
+            results: dict[str, Any] = {}
+            with CpuMeter(self.procs) as meter, ThreadPoolExecutor(len(names)) as pool:
+                running = {
+                    name: pool.submit(run_client, self.targets[name].url,
+                                      self.args.recordings, options, 300)
+                    for name in names
+                }  # fmt: skip
+                for name, future in running.items():
+                    try:
+                        results[name] = future.result()
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        results[name] = {"error": str(exc)}
+            time.sleep(0.05)  # the last stream's record() runs after its last bytes went out
+            for name, figures in results.items():
+                if "error" in figures:
+                    continue
+                # the threads' run time (schedstat, ns): /proc/<pid>/stat's 10 ms ticks are
+                # too coarse for a ratio of two short rounds
+                cpu = cpu_of(pids[name])["schedstat_s"] - run0[name]
+                figures["cores"] = meter.cores
+                figures["proxy_cpu_s"] = round(cpu, 4)
+                if figures["events"]:
+                    per_1000 = cpu * 1e6 / figures["events"]
+                    figures["proxy_cpu_ms_per_1000_chunks"] = round(per_1000, 2)
+                    cpu_total[name] += cpu
+                    events_total[name] += figures["events"]
+                counted = completions(self.admin[name]) - before[name]
+                figures["sidecar_completions_counted"] = counted
+                figures["counting_exact"] = counted == requests == figures["completed"]
+            self.only(None)  # every proxy paused between phases
+            new, base = (results[name].get("proxy_cpu_ms_per_1000_chunks") for name in names)
+            if new and base:
+                ratios.append(new / base)
+            per_round.append({"order": names, "paths": results})
+            print(f"  paired c={concurrency} round {number + 1}: cpu/1k "
+                  f"sidecar {new} sidecar@base {base}", flush=True)  # fmt: skip
+        pooled = [cpu_total[name] * 1e6 / events_total[name] if events_total[name] else 0.0
+                  for name in names]  # fmt: skip
+        return {
+            "concurrency": concurrency,
+            "pace": "paired",
+            "requests_per_path_per_round": requests,
+            "rounds": per_round,
+            "summary": {
+                "cpu_ratio_sidecar_to_base": band(ratios),
+                "pooled_cpu_ms_per_1000_chunks": {
+                    name: round(value, 2) for name, value in zip(names, pooled, strict=True)
+                },
+                "pooled_ratio": round(pooled[0] / pooled[1], 3) if pooled[1] else None,
+            },
+        }
 
     def series(
         self, concurrency: int, pace: str, rounds: int, requests: int | None = None
@@ -360,6 +436,13 @@ def print_summary(result: dict[str, Any]) -> None:
         return f"{b['median']:.2f} [{b['min']:.2f}..{b['max']:.2f}]".rjust(width)
 
     for entry in result["series"]:
+        if entry["pace"] == "paired":
+            paired = entry["summary"]
+            print(f"{'paired':10} {entry['concurrency']:>4} CPU sidecar / sidecar@base, both "
+                  f"loaded at once: {cell(paired['cpu_ratio_sidecar_to_base'], 22).strip()} "
+                  f"per round, pooled {paired['pooled_ratio']} "
+                  f"({paired['pooled_cpu_ms_per_1000_chunks']} ms/1000 chunks)")  # fmt: skip
+            continue
         for name in PROXIES:
             s = entry["summary"].get(name)
             if not s:
@@ -392,6 +475,9 @@ def main() -> int:
     parser.add_argument("--compare-src", type=Path, default=None,
                         help="a checkout of another revision (git worktree): its sidecar runs "
                         "as a fourth path, sidecar@base")  # fmt: skip
+    parser.add_argument("--paired-rounds", type=int, default=5,
+                        help="with --compare-src: rounds per concurrency with the two "
+                        "sidecars under load at once (their CPU ratio; 0: none)")  # fmt: skip
     parser.add_argument("--bench-venv", type=Path, default=ROOT / ".venv" / "bench")
     args = parser.parse_args()
     args.recordings = [str(Path(p).resolve()) for p in
@@ -410,6 +496,9 @@ def main() -> int:
                   f"{', '.join(bench.targets)}", flush=True)  # fmt: skip
             for concurrency in levels:
                 series.append(bench.series(concurrency, "recorded", args.rounds))
+            if args.compare_src is not None and args.paired_rounds and not bench.errors:
+                for concurrency in levels:
+                    series.append(bench.paired(concurrency, args.paired_rounds))
             if args.saturation_rounds:
                 series.append(bench.series(args.saturation_concurrency, "unthrottled",
                                            args.saturation_rounds,
