@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -54,8 +55,8 @@ ROOT = HERE.parents[1]
 # The replay server and client, as a module of the package `tests` (started in ROOT).
 REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
 RECORDINGS = "tests/e2e/results/*/*/recorded_streams.json"
-PATHS = ("direct", "sidecar", "envoy", "sidecar@base")
-PROXIES = ("sidecar", "envoy", "sidecar@base")
+PATHS = ("direct", "sidecar", "envoy", "sidecar@base", "floor")
+PROXIES = ("sidecar", "envoy", "sidecar@base", "floor")
 SIDECARS = ("sidecar", "sidecar@base")
 COUNTER = "mla_serve_completions_total"
 
@@ -78,6 +79,46 @@ def start_sidecar_from(src: Path, upstream: int, work: Path) -> proxies.Target:
     proc = Proc("sidecar@base", argv, work / "sidecar-base.log", env=env, cwd=src).start()
     return proxies.Target("sidecar@base", f"http://127.0.0.1:{port}", proc,
                           ready_url=f"http://127.0.0.1:{admin}")  # fmt: skip
+
+
+def start_floor(upstream: int, work: Path) -> proxies.Target:
+    """passthrough/floor.py: a bare byte pipe on uvloop, no HTTP (the floor under a Python
+    pass-through's cost), as a path."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.bench.passthrough.floor",
+            "--port", str(port), "--upstream", str(upstream)]  # fmt: skip
+    proc = Proc("floor", argv, work / "floor.log", cwd=ROOT).start()
+    return proxies.Target("floor", f"http://127.0.0.1:{port}", proc)
+
+
+def stretch(paths: list[str], times: int, work: Path) -> list[str]:
+    """Copies of the recordings whose streams repeat their token chunks `times` times (the
+    recorded gaps kept; role chunk first, the finish, usage and [DONE] events last): long
+    streams, where a path's cost per chunk shows and its cost per request fades. The text
+    repeats, so the loop guard (observe) finds a loop in each and stops feeding it."""
+    out = []
+    for number, path in enumerate(paths):
+        document = json.loads(Path(path).read_text())
+        for stream in document["streams"]:
+            chunks = stream["chunks"]
+            if len(chunks) <= 8:  # a reply without token chunks (thinking runaways)
+                continue
+            first, middle, last = chunks[:2], chunks[2:-3], chunks[-3:]
+            gaps = [b[0] - a[0] for a, b in itertools.pairwise(middle)]
+            gaps.append(gaps[-1] if gaps else 0.0)
+            at = first[-1][0]
+            stretched = list(first)
+            for _ in range(times):
+                for (_, chunk), gap in zip(middle, gaps, strict=True):
+                    at += gap
+                    stretched.append([at, chunk])
+            shift = at - middle[-1][0]
+            stretched += [[offset + shift, chunk] for offset, chunk in last]
+            stream["chunks"] = stretched
+        target = work / f"stretched-{number}.json"
+        target.write_text(json.dumps(document))
+        out.append(str(target))
+    return out
 
 
 def completions(admin_url: str) -> float:
@@ -150,6 +191,8 @@ class Bench:
             starters["sidecar@base"] = lambda: start_sidecar_from(
                 self.args.compare_src, port, self.work
             )
+        if self.args.floor:
+            starters["floor"] = lambda: start_floor(port, self.work)
         for name, starter in starters.items():
             try:
                 target = starter()
@@ -157,6 +200,8 @@ class Bench:
                 self.procs.append(target.proc)
                 if name == "sidecar@base":
                     target.ready_s = wait_http(target.proc, f"{target.ready_url}/readyz", 60)
+                elif name == "floor":
+                    target.ready_s = wait_http(target.proc, f"{target.url}/health", 20)
                 else:
                     proxies.wait_ready(target, 60)
             except (OSError, RuntimeError) as exc:
@@ -478,6 +523,12 @@ def main() -> int:
     parser.add_argument("--paired-rounds", type=int, default=5,
                         help="with --compare-src: rounds per concurrency with the two "
                         "sidecars under load at once (their CPU ratio; 0: none)")  # fmt: skip
+    parser.add_argument("--floor", action="store_true",
+                        help="add passthrough/floor.py (a bare byte pipe on uvloop, no HTTP) "
+                        "as a path: the floor under a Python pass-through's cost")  # fmt: skip
+    parser.add_argument("--stretch", type=int, default=1,
+                        help="replay each stream's token chunks this many times over (long "
+                        "streams: the cost per chunk, less the cost per request)")  # fmt: skip
     parser.add_argument("--bench-venv", type=Path, default=ROOT / ".venv" / "bench")
     args = parser.parse_args()
     args.recordings = [str(Path(p).resolve()) for p in
@@ -488,6 +539,9 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
+        recorded = args.recordings
+        if args.stretch > 1:
+            args.recordings = stretch(args.recordings, args.stretch, Path(tmp))
         bench = Bench(args, Path(tmp))
         try:
             bench.start()
@@ -510,7 +564,8 @@ def main() -> int:
         "captured on an H200), played back on this machine's CPU: not a live engine",
         "machine": {"cores": os.cpu_count(), "load_average": list(os.getloadavg())},
         "versions": versions(args.bench_venv),
-        "recordings": recordings_summary(args.recordings),
+        "recordings": recordings_summary(recorded),
+        "stretch": args.stretch,
         "config": {
             "rounds": args.rounds,
             "concurrency": levels,
