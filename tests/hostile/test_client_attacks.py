@@ -278,8 +278,8 @@ def test_slow_headers_and_stalled_bodies_time_out(sidecar, attack):
     check.check(body.status == 408 and body.seconds < 5, f"body: {body.status} {body.seconds:.1f}")
     check.check(_openai_error(body) and _openai_error(head), "not JSON errors")
     # The deadline holds for every head of a keep-alive connection, not only its first: a
-    # second head started 0.7 s into the first one's second (--header-timeout 1) and left
-    # unfinished is cut off a second after it began, not when the first one's timer was due.
+    # second head begun 0.7 s after the first response and left unfinished is cut off a
+    # whole --header-timeout (1 s) after it began, not earlier and not never.
     with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
         sock.sendall(get("/v1/models"))
         first = b""
