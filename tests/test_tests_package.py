@@ -24,7 +24,7 @@ SCRIPTS = [
     "tests.e2e.parts", "tests.gpu.bench_gpu", "tests.gpu.pack", "tests.upstream",
     "tests.bench.bench_patches", "tests.bench.bench_sidecar", "tests.bench.bench_passthrough",
     "tests.bench.bench_loops", "tests.bench.bench_replay", "tests.bench.passthrough.replay",
-    "tests.bench.passthrough.upstream",
+    "tests.bench.passthrough.upstream", "tests.bench.passthrough.floor",
 ]  # fmt: skip
 
 
