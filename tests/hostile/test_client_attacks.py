@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.hostile.conftest import MEMORY_LIMIT, RssPeak
-from tests.hostile.wire import MODEL, ask, exchange, get, post
+from tests.hostile.wire import MODEL, ask, complete, exchange, get, post
 
 MiB = 1 << 20
 
@@ -283,7 +283,7 @@ def test_slow_headers_and_stalled_bodies_time_out(sidecar, attack):
     with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
         sock.sendall(get("/v1/models"))
         first = b""
-        while not _whole(first):
+        while not complete(first):
             piece = sock.recv(65536)
             if not piece:
                 break
@@ -334,12 +334,3 @@ def test_no_traceback_in_the_sidecar_log(sidecar, attack):
     held = sidecar.metric("mla_serve_buffered_bytes")
     check.check(held == 0, f"{held} bytes still counted as buffered")
     check.done()
-
-
-def _whole(data: bytes) -> bool:
-    """A response with a Content-Length, complete."""
-    head, sep, body = data.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if sep and line.lower().startswith(b"content-length:"):
-            return len(body) >= int(line.split(b":")[1])
-    return False

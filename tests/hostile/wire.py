@@ -55,7 +55,7 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
                     closed = True
                     break
                 received += piece
-                if _complete(received):
+                if complete(received):
                     break
         except TimeoutError:
             pass
@@ -64,12 +64,13 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
     return _parse(received, closed, time.monotonic() - started)
 
 
-def _complete(data: bytes) -> bool:
+def complete(data: bytes) -> bool:
+    """A whole response: its Content-Length of body, or a chunked body's last chunk."""
     head, sep, body = data.partition(b"\r\n\r\n")
     if not sep:
         return False
     if head.startswith(b"HTTP/1.1 100"):
-        return _complete(body)
+        return complete(body)
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
             return len(body) >= int(line.split(b":")[1])
