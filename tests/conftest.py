@@ -55,14 +55,19 @@ def vllm() -> Iterator[StandIn]:
 
 @pytest.fixture
 def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
-    """Start sidecars with the given settings on real sockets; returns each one's URL."""
+    """Start sidecars with the given settings on real sockets, on the sidecar's own HTTP
+    protocol as `mla-serve sidecar` runs it (serve.py: chat and completions without ASGI,
+    fast.py); returns each one's URL."""
+    from mla_serve.sidecar import serve
     from mla_serve.sidecar.app import create_app
     from tests.http_server import ServerThread
 
     servers: list[ServerThread] = []
 
     def start(settings: Settings) -> str:
-        servers.append(ServerThread(create_app(settings)).start())
+        app = create_app(settings)
+        http = serve.protocol("auto", serve.limits_of(settings), app.fast)
+        servers.append(ServerThread(app, http=http).start())
         return servers[-1].url
 
     yield start

@@ -12,7 +12,11 @@ import uvicorn
 
 class ServerThread:
     def __init__(
-        self, app: Any, lifespan: Literal["auto", "on", "off"] = "on", http: str = "auto"
+        self,
+        app: Any,
+        lifespan: Literal["auto", "on", "off"] = "on",
+        http: Any = "auto",
+        keep_alive: int = 5,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -24,6 +28,7 @@ class ServerThread:
             lifespan=lifespan,
             http=http,
             timeout_graceful_shutdown=1,  # stalled test handlers must not hold shutdown
+            timeout_keep_alive=keep_alive,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

@@ -15,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from mla_serve.sidecar import proxy, upstream
+from mla_serve.sidecar import proxy, serve, upstream
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
 from tests.http_server import ServerThread
@@ -111,6 +113,7 @@ class Scripted:
     def __init__(self) -> None:
         self.plans: list[Plan] = []
         self.requests: list[bytes] = []
+        self.written: list[float] = []  # when each plan's last write was taken (monotonic)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -160,6 +163,7 @@ class Scripted:
                     await asyncio.sleep(pause)
                 else:
                     close = False
+                self.written.append(time.monotonic())
                 if close:
                     break
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -180,16 +184,23 @@ def client_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(params=["httptools", "h11"])
+@pytest.fixture(params=["sidecar", "httptools", "h11"])
 def sidecar(
     request: pytest.FixtureRequest, scripted: Scripted, client_kind: str
 ) -> Iterator[Callable[[], str]]:
+    """The sidecar on its own protocol (serve.py; with the direct client, chat and
+    completions without ASGI: fast.py), and as an ASGI app on uvicorn's two protocols."""
     servers: list[ServerThread] = []
 
-    def start() -> str:
+    def start(keep_alive: int = 5, **overrides: Any) -> str:
         settings = Settings(vllm_url=scripted.url, poll_interval=0.2,
-                            upstream_client=client_kind, stream_idle_timeout=2.0)  # fmt: skip
-        servers.append(ServerThread(create_app(settings), http=request.param).start())
+                            upstream_client=client_kind, stream_idle_timeout=2.0,
+                            **overrides)  # fmt: skip
+        app = create_app(settings)
+        http: Any = request.param
+        if http == "sidecar":
+            http = serve.protocol("httptools", serve.limits_of(settings), app.fast)
+        servers.append(ServerThread(app, http=http, keep_alive=keep_alive).start())
         return servers[-1].url
 
     yield start
@@ -301,12 +312,15 @@ def test_an_endless_response_head_is_refused_not_buffered(sidecar, scripted):
     assert stream(url) == LF
 
 
-def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, client_kind):
+@pytest.mark.parametrize("http", ["sidecar", "httptools"])
+def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, client_kind, http):
     """Three streams in a row on one sidecar; between them the upstream closes the kept
     connection (as uvicorn does after its keep-alive timeout): the next request must not
     fail for it."""
     settings = Settings(vllm_url=scripted.url, poll_interval=30, upstream_client=client_kind)
-    server = ServerThread(create_app(settings)).start()
+    app = create_app(settings)
+    protocol = serve.protocol(http, serve.limits_of(settings), app.fast)
+    server = ServerThread(app, http=protocol if http == "sidecar" else http).start()
     try:
         scripted.plans.append(plan_of(LF, [LF]))
         assert stream(server.url) == LF
@@ -318,6 +332,133 @@ def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, 
                      finish_reason="stop") == 3  # fmt: skip
     finally:
         server.stop()
+
+
+def _request(body: bytes, stream: bool = True) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: sidecar\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+    )
+
+
+def _ask(stream: bool = True) -> bytes:
+    document = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+    return _request(json.dumps(document).encode())
+
+
+def _responses(sock: socket.socket, wanted: int, timeout: float = 20) -> list[tuple[bytes, bytes]]:
+    """`wanted` whole responses read off one connection, in order: (head, body), a chunked
+    body de-chunked. Fewer when the connection closes first."""
+    sock.settimeout(timeout)
+    data, replies = b"", []
+    while len(replies) < wanted:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if sep:
+            length = None
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if length is not None and len(rest) >= length:
+                replies.append((head, rest[:length]))
+                data = rest[length:]
+                continue
+            end = rest.find(b"\r\n0\r\n\r\n")
+            if length is None and (rest.startswith(b"0\r\n\r\n") or end >= 0):
+                stop = 5 if rest.startswith(b"0\r\n\r\n") else end + 7
+                replies.append((head, _dechunk(rest[:stop])))
+                data = rest[stop:]
+                continue
+        more = sock.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return replies
+
+
+def test_pipelined_requests_are_answered_in_order(sidecar, scripted):
+    """Two requests in one write, a third behind them: three streams, in order, counted."""
+    url = sidecar()
+    for _ in range(3):
+        scripted.plans.append(plan_of(LF, cuts(LF, b"da", b"[DONE]")))
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_ask() + _ask())
+        time.sleep(0.2)
+        sock.sendall(_ask())
+        replies = _responses(sock, 3)
+    assert [head.split(b" ", 2)[1] for head, _ in replies] == [b"200"] * 3
+    assert [body for _, body in replies] == [LF] * 3
+    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 3
+
+
+def test_an_answer_in_the_read_of_the_next_request_keeps_the_connection(sidecar, scripted):
+    """A request the sidecar answers itself (malformed JSON: 400) and a stream behind it in
+    the same write: the stream (1.5 s) outlasts the keep-alive timeout (1 s) and still
+    arrives whole. (The connection is not idle while the second request runs; a keep-alive
+    timer armed by the first answer must not close it.)"""
+    url = sidecar(keep_alive=1)
+    first = LF[: LF.index(b"\n\n") + 2]
+    rest = LF[len(first) :]
+    scripted.plans.append([(HEAD + http_chunks([first]), 1.5), (http_chunks([rest]), 0.0),
+                           (b"0\r\n\r\n", 0.0)])  # fmt: skip
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_request(b"{not json") + _ask())
+        replies = _responses(sock, 2)
+    assert [head.split(b" ", 2)[1] for head, _ in replies] == [b"400", b"200"]
+    assert json.loads(replies[0][1])["error"]["type"] == "invalid_request_error"
+    assert replies[1][1] == LF
+
+
+def test_a_slow_reader_gets_every_byte_and_holds_vllm_back(sidecar, scripted):
+    """vLLM sends 24 MiB of events at once; the client reads nothing for 1.5 s, then reads
+    slowly. Every byte arrives in order, and the sidecar stopped reading vLLM meanwhile (its
+    last write was taken only after the client began reading): the sidecar does not buffer
+    a response the client is not taking."""
+    url = sidecar()
+    events = [chunk({"content": "x" * (64 << 10)}) for _ in range(384)]
+    body = chunk({"role": "assistant", "content": ""}) + b"".join(events)
+    body += chunk({"content": ""}, "stop") + usage() + b"data: [DONE]\n\n"
+    scripted.plans.append([(HEAD, 0.0), *((http_chunks([e]), 0.0) for e in cuts(body, b"xx")),
+                           (b"0\r\n\r\n", 0.0)])  # fmt: skip
+    port = int(url.rsplit(":", 1)[1])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    with sock:
+        sock.sendall(_ask())
+        time.sleep(1.5)
+        reading = time.monotonic()
+        sock.settimeout(30)
+        wire = bytearray()
+        while not wire.endswith(b"\r\n0\r\n\r\n"):
+            more = sock.recv(1 << 16)
+            assert more, "the connection closed before the response ended"
+            wire += more
+    head, _, chunked = bytes(wire).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and _dechunk(chunked) == body
+    assert scripted.written[-1] > reading
+    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+
+
+def test_a_chunked_request_body_over_the_limit_is_refused(sidecar, scripted):
+    """A body without Content-Length (chunked) that grows past --max-body-bytes: 413 as soon
+    as it does, the connection closed; nothing reaches vLLM."""
+    url = sidecar(max_body_bytes=4096)
+    port = int(url.rsplit(":", 1)[1])
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: sidecar\r\n"
+            b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head + http_chunks([b"{" + b" " * 3000, b" " * 3000]))
+        replies = _responses(sock, 1)
+        sock.settimeout(5)
+        closed = sock.recv(1) == b""
+    assert replies[0][0].split(b" ", 2)[1] == b"413"
+    assert b"connection: close" in replies[0][0].lower()
+    assert json.loads(replies[0][1])["error"]["message"] == "request body over 4096 bytes"
+    assert closed and scripted.requests == []
 
 
 def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
@@ -333,13 +474,13 @@ def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
 
 def _dechunk(wire: bytes) -> bytes:
     """The payload of a chunked body."""
-    out, at = b"", 0
+    out, at = [], 0
     while True:
         line_end = wire.index(b"\r\n", at)
         size = int(wire[at:line_end], 16)
         if size == 0:
-            return out
-        out += wire[line_end + 2 : line_end + 2 + size]
+            return b"".join(out)
+        out.append(wire[line_end + 2 : line_end + 2 + size])
         at = line_end + 2 + size + 2
 
 

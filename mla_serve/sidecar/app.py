@@ -16,6 +16,7 @@ from mla_serve import __version__
 from mla_serve.sidecar import engine, fixes, health, routes, status, vllm_log
 from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.canary import Canary
+from mla_serve.sidecar.fast import FastPath
 from mla_serve.sidecar.loops import LoopGuard
 from mla_serve.sidecar.metrics import SidecarCollector, View
 from mla_serve.sidecar.proxy import Proxy, ProxySettings, QuietAborts, Receive, Refused, Scope, Send
@@ -182,6 +183,10 @@ class Router:
         self.admin = admin
         self.proxy = proxy
         self.admin_port = admin_port
+        # Chat and completions served by the sidecar's own protocol without ASGI (fast.py):
+        # with the direct upstream client only.
+        direct = proxy.settings.upstream_client == "direct"
+        self.fast = FastPath(proxy, admin_port) if direct else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -234,6 +239,8 @@ def create_app(settings: Settings) -> Router:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if router.fast is not None:
+                router.fast.close()
             await sidecar.proxy.close()
 
     app = FastAPI(title="mla-serve sidecar", version=__version__, lifespan=lifespan)
@@ -270,4 +277,5 @@ def create_app(settings: Settings) -> Router:
         return Response(generate_latest(sidecar.registry), media_type=CONTENT_TYPE_LATEST)
 
     admin_port = settings.admin_port if settings.admin_port != settings.port else None
-    return Router(app, sidecar.proxy, admin_port)
+    router = Router(app, sidecar.proxy, admin_port)
+    return router

@@ -540,12 +540,22 @@ class Proxy:
     ) -> None:
         """The last bytes of a classified stream, with an error event after them when vLLM
         broke it off (`failure`); then the completion settled and counted."""
+        await send({"type": "http.response.body", "body": self._last_events(tail, failure)})
+        self._settle(completion, guard, model)
+
+    def _last_events(self, tail: bytes, failure: str | None) -> bytes:
+        """A stream's last bytes, with an error event after them when it broke off."""
         if failure is not None:
             self.metrics.truncated.inc()
             if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                 tail += b"\n\n"  # end the partial event, or the error event would join it
             tail += _error_event(failure)
-        await send({"type": "http.response.body", "body": tail})
+        return tail
+
+    def _settle(
+        self, completion: Completion, guard: ResponseGuard | None, model: str | None
+    ) -> None:
+        """A finished stream: the loop guard's verdict, the completion counted."""
         if guard is not None:
             guard.settle(completion)
         self.ledger.record(completion, model)
@@ -654,12 +664,18 @@ class Exchange:
 
     HIGH_WATER = 64 * 1024
 
-    def __init__(self, proxy: Proxy, request: Request, send: Send) -> None:
+    def __init__(
+        self,
+        proxy: Proxy,
+        request: Request,
+        send: Send,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.proxy = proxy
         self.settings = proxy.settings
         self.request = request
         self.send = send
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.conn: upstream.Connection | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.status = 0
@@ -891,14 +907,7 @@ class Exchange:
         return False
 
     async def _head(self, keep_length: bool) -> None:
-        named = _connection_tokens(self.headers)
-        headers = []
-        for name, value in self.headers:
-            lowered = name.lower()
-            if (
-                lowered not in NOT_RETURNED or (keep_length and lowered == b"content-length")
-            ) and lowered not in named:
-                headers.append((lowered, value))
+        headers = returned_headers(self.headers, keep_length)
         await self.send({"type": "http.response.start", "status": self.status, "headers": headers})
         self.started = True
         cycle = _direct_cycle(self.send) if self.streamed else None
@@ -928,27 +937,36 @@ class Exchange:
         except BaseException:
             splitter.rest()  # gives its bytes back to the budget
             raise
-        completion, guard = self.completion, request.guard
-        if splitter.oversized:
-            proxy.metrics.unparsed.inc(splitter.oversized)
         # What waits (the last read's events, [DONE] among them) goes out with the end of
         # the response: one write where the loop above would make two.
         held = b"".join(self.pending)
         self.pending.clear()
         self.pending_size = 0
+        tail, failure = self._last_bytes(held)
+        await proxy._end_stream(
+            self.send, tail, failure, self.completion, request.guard, request.model
+        )
+
+    def _last_bytes(self, held: bytes) -> tuple[bytes, str | None]:
+        """After vLLM's stream ended (or was ended): what the client still gets after
+        `held`, and why the stream failed, if it did."""
+        splitter, request = self.splitter, self.request
+        assert splitter is not None
+        if splitter.oversized:
+            self.proxy.metrics.unparsed.inc(splitter.oversized)
         tail = held + splitter.rest()
-        failure = None
+        guard = request.guard
         if guard is not None and guard.stopped:
             # The loop guard ended it (_finish closed vLLM's connection, so vLLM aborts the
             # request and frees its KV cache); the client gets a clean end instead of the rest.
-            tail = held + guard.ending(include_usage=not request.strip_usage)
-        elif self.idle_failure is not None:
-            failure = self.idle_failure
-        elif self.broken is not None:
-            failure = f"vLLM broke off the stream: {self.broken}"
-        elif not self.done:
-            failure = "vLLM ended the stream without [DONE]"
-        await proxy._end_stream(self.send, tail, failure, completion, guard, request.model)
+            return held + guard.ending(include_usage=not request.strip_usage), None
+        if self.idle_failure is not None:
+            return tail, self.idle_failure
+        if self.broken is not None:
+            return tail, f"vLLM broke off the stream: {self.broken}"
+        if not self.done:
+            return tail, "vLLM ended the stream without [DONE]"
+        return tail, None
 
     async def _relay(self) -> None:
         proxy, request = self.proxy, self.request
@@ -1289,21 +1307,41 @@ async def _cancel_on_disconnect(
 async def _start(send: Send, response: aiohttp.ClientResponse, keep_length: bool = False) -> None:
     """Send vLLM's status and headers, less hop-by-hop ones. Its Content-Length is kept for
     bodies relayed byte for byte (a short body then cannot pass as complete)."""
-    named = _connection_tokens(response.raw_headers)
-    headers = [
-        (k.lower(), v)
-        for k, v in response.raw_headers
-        if (k.lower() not in NOT_RETURNED or (keep_length and k.lower() == b"content-length"))
-        and k.lower() not in named
-    ]
+    headers = returned_headers(response.raw_headers, keep_length)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
 
 
-async def _respond(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+# The sidecar's own answers after which the connection ends: the request was not read whole.
+CLOSING = frozenset({408, 413, 431})
+
+
+def answer_headers(status: int, length: int) -> list[tuple[bytes, bytes]]:
+    """The headers of an answer of the sidecar's own (an OpenAI-style JSON error)."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % length)]
     if status == 503:
         headers.append((b"retry-after", b"1"))
-    if status in (408, 413, 431):  # the rest of the request is not read: end the connection
+    return headers
+
+
+def returned_headers(headers: Any, keep_length: bool) -> list[tuple[bytes, bytes]]:
+    """vLLM's response headers as the client gets them: names lowercased, less hop-by-hop
+    ones, those its Connection header names, and vLLM's Date; Content-Length only when
+    `keep_length` (a body relayed byte for byte)."""
+    named = _connection_tokens(headers)
+    kept = []
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in named or (
+            lowered in NOT_RETURNED and not (keep_length and lowered == b"content-length")
+        ):
+            continue
+        kept.append((lowered, value))
+    return kept
+
+
+async def _respond(send: Send, status: int, body: bytes) -> None:
+    headers = answer_headers(status, len(body))
+    if status in CLOSING:  # the rest of the request is not read: end the connection
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

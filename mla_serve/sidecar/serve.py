@@ -28,6 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mla_serve.sidecar.app import create_app
+from mla_serve.sidecar.fast import FastExchange, FastPath
 from mla_serve.sidecar.proxy import CLIENT_GONE
 from mla_serve.sidecar.settings import Settings
 
@@ -128,9 +129,14 @@ class _Guard:
 
 
 class LimitedHttpTools(_Guard, HttpToolsProtocol):
-    """uvicorn's httptools protocol with the limits, and a callback for the pass-through
-    when a client leaves mid-response (proxy.CLIENT_GONE on the request's cycle): it cancels
-    that request's exchange without a watcher task per request."""
+    """uvicorn's httptools protocol with the limits; the pass-through's chat and completion
+    requests served from its callbacks without ASGI (fast.py, when `fast_path` is set), and
+    for the requests that do go through ASGI a callback when a client leaves mid-response
+    (proxy.CLIENT_GONE on the request's cycle): it cancels that request's exchange without
+    a watcher task per request."""
+
+    fast_path: ClassVar[FastPath | None] = None
+    fast: FastExchange | None = None  # the request served without ASGI, while it runs
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -138,6 +144,13 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._guard_close()
+        fast = self.fast
+        if fast is not None:
+            self.fast = None
+            fast.client_gone()
+        current: Any = self.cycle
+        if type(current) is FastExchange:  # uvicorn's own cycle has more to be told
+            self.cycle = None  # type: ignore[assignment]
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:
@@ -154,17 +167,50 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         # them) are not counted; httptools holds at most one read past the limit.
         if in_head and self._in_head and self.parser is not None:
             self._head_fed(len(data))
+        fast = self.fast
+        if fast is not None and fast.reading:
+            fast.watch_body()
 
     def on_message_begin(self) -> None:
+        # A request parsed in the read that ended the one before (served without ASGI, so
+        # already answered): not an idle connection, whatever on_response_complete armed.
+        self._unset_keepalive_if_required()
         super().on_message_begin()
         if not self._in_head:
             self._head_started()
 
     def on_headers_complete(self) -> None:
         self._head_done()
+        path = self.fast_path
+        if path is not None and (self.cycle is None or self.cycle.response_complete):
+            exchange = path.takes(self)
+            if exchange is not None:
+                # uvicorn's protocol reads response_complete and keep_alive from its cycle
+                self.cycle = self.fast = exchange  # type: ignore[assignment]
+                return
         super().on_headers_complete()
         if self.cycle is not None:  # this protocol calls back when the client leaves
             setattr(self.cycle, CLIENT_GONE, None)
+
+    def on_body(self, body: bytes) -> None:
+        cycle: Any = self.cycle
+        if type(cycle) is FastExchange:
+            cycle.request_body(body)
+            return
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle: Any = self.cycle
+        if type(cycle) is FastExchange:
+            cycle.request_done()
+            return
+        super().on_message_complete()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        fast = self.fast
+        if fast is not None:
+            fast.resume_writing()
 
 
 class LimitedH11(_Guard, H11Protocol):
@@ -190,12 +236,17 @@ class LimitedH11(_Guard, H11Protocol):
             self._head_started()
 
 
-def protocol(kind: str, limits: Limits) -> type[asyncio.Protocol]:
-    """The HTTP protocol class: httptools when installed (as in vLLM's image), else h11."""
+def protocol(
+    kind: str, limits: Limits, fast_path: FastPath | None = None
+) -> type[asyncio.Protocol]:
+    """The HTTP protocol class: httptools when installed (as in vLLM's image), else h11.
+    `fast_path`: the pass-through's requests the httptools protocol serves without ASGI."""
     if kind == "auto":
         kind = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    base = LimitedHttpTools if kind == "httptools" else LimitedH11
-    return type(f"Sidecar{base.__name__}", (base,), {"limits": limits})
+    if kind == "httptools":
+        attributes = {"limits": limits, "fast_path": fast_path}
+        return type("SidecarLimitedHttpTools", (LimitedHttpTools,), attributes)
+    return type("SidecarLimitedH11", (LimitedH11,), {"limits": limits})
 
 
 class Server(uvicorn.Server):
@@ -234,15 +285,20 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def limits_of(settings: Settings) -> Limits:
+    return Limits(settings.max_header_bytes, settings.header_timeout, settings.max_connections)
+
+
 def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None:
-    limits = Limits(settings.max_header_bytes, settings.header_timeout, settings.max_connections)
+    limits = limits_of(settings)
     sockets = [listen(settings.host, settings.port)]
     if settings.admin_port is not None and settings.admin_port != settings.port:
         sockets.append(listen(settings.admin_host or settings.host, settings.admin_port))
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
-        http=protocol(http, limits),
+        app,
+        http=protocol(http, limits, app.fast),
         loop=loop,
         log_level=log_level,
         access_log=False,

@@ -196,8 +196,8 @@ class Pool:
         self.idle: list[tuple[Connection, float]] = []
         self.loop = asyncio.get_running_loop()
 
-    async def get(self) -> Connection:
-        """A connection: an idle one, or a new one (OSError, TimeoutError on failure)."""
+    def take(self) -> Connection | None:
+        """An idle connection still fit for reuse, or None."""
         now = self.loop.time()
         while self.idle:
             conn, since = self.idle.pop()
@@ -205,6 +205,13 @@ class Pool:
                 conn.reused = True
                 return conn
             conn.abort()
+        return None
+
+    async def get(self) -> Connection:
+        """A connection: an idle one, or a new one (OSError, TimeoutError on failure)."""
+        conn = self.take()
+        if conn is not None:
+            return conn
         async with asyncio.timeout(self.connect_timeout):
             _, conn = await self.loop.create_connection(
                 lambda: Connection(self), self.host, self.port
