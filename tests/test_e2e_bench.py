@@ -80,7 +80,7 @@ def run(
         "--upstream-pid", str(upstream[1]),
         "--work", str(tmp_path_factory.mktemp("work")), "--levels", "1,4",
         "--rounds", "1=2,4=1", "--requests", "1=3,4=8", "--max-tokens", "8",
-        "--budget-s", "120",
+        "--budget-s", "120", "--compare-src", str(ROOT),
     ]  # fmt: skip
     argv += ["--envoy", str(envoy)] if envoy else ["--no-envoy"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=False, cwd=ROOT)
@@ -96,7 +96,8 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
     assert run["rc"] == 0, run["output"][-3000:]
     result = run["json"]
     assert "STAND-IN" in result["what"]
-    paths = ["direct", "sidecar"] + (["envoy"] if "envoy" in result["versions"] else [])
+    paths = ["direct", "sidecar", "sidecar@base"]
+    paths += ["envoy"] if "envoy" in result["versions"] else []
     assert len(result["series"]["1"]) == 2 and len(result["series"]["4"]) == 1
     for level, requests in (("1", 3), ("4", 8)):
         for entry in result["series"][level]:
@@ -110,14 +111,15 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
                 assert figures["chunks"] == 10 * requests
             # every 4th request thinks to the cap: a runaway the sidecar must count
             number = result["series"][level].index(entry)
-            sidecar = entry["paths"]["sidecar"]
-            expected = sum(1 for i in range(requests) if (number + i) % 4 == 3)
-            assert sidecar["runaways_seen"] == expected
-            assert sidecar["sidecar_completions_counted"] == requests
-            assert sidecar["sidecar_runaways_counted"] == sidecar["runaways_seen"]
+            for name in ("sidecar", "sidecar@base"):
+                sidecar = entry["paths"][name]
+                expected = sum(1 for i in range(requests) if (number + i) % 4 == 3)
+                assert sidecar["runaways_seen"] == expected
+                assert sidecar["sidecar_completions_counted"] == requests
+                assert sidecar["sidecar_runaways_counted"] == sidecar["runaways_seen"]
     checks = result["checks"]
     assert checks["counting_exact"] and not checks["problems"]
-    assert checks["sidecar_requests_sent"] == 2 * 3 + 8
+    assert checks["sidecar_requests_sent"] == 2 * (2 * 3 + 8)  # both sidecars
     # the sidecar really runs on the stack vLLM's image ships (the test venv has both)
     assert result["http_stacks"]["sidecar"]["loop"] == "uvloop"
     assert result["http_stacks"]["sidecar"]["http"] == "httptools"
@@ -126,7 +128,13 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
         assert summary["ttft_p50_added_ms"]["rounds"] == 2
         assert summary["pooled"]["run_ms_per_1000_chunks"] > 0
         assert f"| 1 | {name} | 2 |" in run["md"]
-    assert "Counting: the sidecar counted 14 of 14 requests and 3 runaways" in run["md"]
+    assert "Counting: the sidecar counted 28 of 28 requests and 6 runaways" in run["md"]
+    # --compare-src: a second sidecar (here the same checkout), started as the first was,
+    # measured in the same rounds; the two revisions' CPU ratio per round and pooled
+    versus = result["summary"]["1"]["sidecar_vs_base"]
+    assert versus["run_per_chunk_ratio"]["rounds"] == 2 and versus["pooled_ratio"]["stat_s"] > 0
+    assert "sidecar / sidecar@base (--compare-src) CPU per chunk at c=1" in run["md"]
+    assert result["http_stacks"]["sidecar@base"]["http"] == "httptools"
     assert [t["concurrency"] for t in result["targets"]] == [1, 4]
     # the upstream's own CPU per path (live: vLLM's API server)
     for name in paths:

@@ -64,8 +64,9 @@ from tests.http_server import free_port
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
-PATHS = ("direct", "sidecar", "envoy")
-PROXIES = ("sidecar", "envoy")
+PATHS = ("direct", "sidecar", "sidecar@base", "envoy")
+PROXIES = ("sidecar", "sidecar@base", "envoy")
+SIDECARS = ("sidecar", "sidecar@base")
 CLIENT = HERE / "bench_client.py"
 STREAMS_PER_CLIENT = 16
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -248,6 +249,31 @@ def start_envoy(binary: Path, upstream_url: str, work: Path, started: Started) -
     url = f"http://127.0.0.1:{port}"
     wait_up(f"{url}/health", proc, 60, "envoy")  # vLLM's /health, through Envoy
     return Path_("envoy", url, proc.pid)
+
+
+def start_base(sidecar: Path_, source: Path, work: Path, started: Started) -> Path_:
+    """A second sidecar beside the stack's, started as the stack started its own (the same
+    arguments and environment, read from /proc) but on ports of its own and with the
+    `mla_serve` package of `source` (another revision's checkout) first on its path: the
+    two revisions measured side by side in the same rounds on the same engine."""
+    assert sidecar.pid is not None
+    argv = Path(f"/proc/{sidecar.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    cwd = Path(os.readlink(f"/proc/{sidecar.pid}/cwd"))
+    for index, arg in enumerate(argv[1:], 1):  # relative paths: from the stack's directory
+        if not arg.startswith("-") and not os.path.isabs(arg) and (cwd / arg).exists():
+            argv[index] = str(cwd / arg)
+    environ = Path(f"/proc/{sidecar.pid}/environ").read_bytes().decode().split("\0")
+    env = dict(item.split("=", 1) for item in environ if "=" in item)
+    if not (source / "mla_serve" / "sidecar" / "proxy.py").is_file():
+        raise ValueError(f"--compare-src {source}: no mla_serve/sidecar/proxy.py there")
+    env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
+    port, admin = free_port(), free_port()
+    for flag, value in (("--port", port), ("--admin-port", admin)):
+        argv[argv.index(flag) + 1] = str(value)
+    proc = started.popen(argv, work / "sidecar-base.log", cwd=source, env=env)
+    admin_url = f"http://127.0.0.1:{admin}"
+    wait_up(f"{admin_url}/livez", proc, 60, "sidecar@base")
+    return Path_("sidecar@base", f"http://127.0.0.1:{port}", proc.pid, admin_url)
 
 
 def start_sidecar(upstream_url: str, work: Path, started: Started) -> Path_:
@@ -604,7 +630,33 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 if done else None,
             }  # fmt: skip
         out[name] = summary
+    if "sidecar" in out and "sidecar@base" in out:
+        out["sidecar_vs_base"] = versus_base(rounds)
     return out
+
+
+def versus_base(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The two sidecar revisions (--compare-src) in the same rounds: the CPU ratio
+    sidecar / sidecar@base per round (threads' run time per chunk), and pooled."""
+    both = [e["paths"] for e in rounds if "sidecar" in e["paths"] and "sidecar@base" in e["paths"]]
+
+    def run_per_chunk(paths: dict[str, Any], name: str) -> float:
+        r = paths[name]
+        return float(r["cpu_s"][name]["schedstat_s"]) / max(1, r["chunks"])
+
+    ratios = [run_per_chunk(p, "sidecar") / run_per_chunk(p, "sidecar@base") for p in both
+              if run_per_chunk(p, "sidecar@base") > 0]  # fmt: skip
+    pooled = {}
+    for key in ("schedstat_s", "stat_s"):
+        mine = sum(p["sidecar"]["cpu_s"]["sidecar"][key] for p in both)
+        base = sum(p["sidecar@base"]["cpu_s"]["sidecar@base"][key] for p in both)
+        chunks = (
+            sum(p["sidecar"]["chunks"] for p in both),
+            sum(p["sidecar@base"]["chunks"] for p in both),
+        )
+        if base and chunks[0] and chunks[1]:
+            pooled[key] = round((mine / chunks[0]) / (base / chunks[1]), 4)
+    return {"run_per_chunk_ratio": band(ratios, 4), "pooled_ratio": pooled}
 
 
 def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -664,7 +716,7 @@ def checks(series: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
                                     f"{r['cut_at_deadline']} cut)")  # fmt: skip
                 if r["no_usage"]:
                     problems.append(f"{where}: {r['no_usage']} streams without usage")
-                if name == "sidecar":
+                if name in SIDECARS:
                     sent += r["requests"]
                     counted += int(r["sidecar_completions_counted"])
                     runaways_seen += r["runaways_seen"]
@@ -750,9 +802,17 @@ def table(result: dict[str, Any]) -> str:
         if api:
             lines.append(f"vLLM's API server CPU ms/1000 chunks at c={level}: "
                          + ", ".join(f"{n} {cell(b, 1)}" for n, b in api.items()))  # fmt: skip
+    for level, summary in sorted(result["summary"].items(), key=lambda kv: int(kv[0])):
+        versus = summary.get("sidecar_vs_base")
+        if versus:
+            lines.append(
+                f"sidecar / sidecar@base (--compare-src) CPU per chunk at c={level}, same "
+                f"rounds: per round {cell(versus['run_per_chunk_ratio'], 3)}, pooled "
+                f"{versus['pooled_ratio']}"
+            )
     busiest = max(
         (s["client_busiest_cores"].get("max", 0.0) for level in result["summary"].values()
-         for s in level.values()), default=0.0,
+         for s in level.values() if "client_busiest_cores" in s), default=0.0,
     )  # fmt: skip
     lines.append(
         f"The busiest client process used at most {busiest:.2f} cores in a round"
@@ -954,6 +1014,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--envoy", type=Path, help="envoy binary (default: the store's)")
     parser.add_argument("--no-envoy", action="store_true", help="direct and sidecar only")
+    parser.add_argument(
+        "--compare-src", type=Path, default=None,
+        help="another revision's checkout (a `git archive` with mla_serve/): its sidecar "
+             "runs as a fourth path, sidecar@base, started as the stack's own",
+    )  # fmt: skip
     parser.add_argument("--py-spy", type=Path, help="py-spy binary (default: the store's)")
     parser.add_argument(
         "--profile",
@@ -1066,9 +1131,13 @@ def main(argv: list[str] | None = None) -> int:
             result["what"] = (f"LIVE vLLM {stack.release} ({args.spec}, tiny DeepSeek-V3.2, "
                               f"CUDA graphs on) on this machine's GPU; layout change: "
                               f"{change['flag']}={change['to']}")  # fmt: skip
+        if args.compare_src is not None:
+            paths["sidecar@base"] = start_base(paths["sidecar"], args.compare_src, work, started)
         if envoy is not None:
             paths["envoy"] = start_envoy(envoy, paths["direct"].url, work, started)
-        result["http_stacks"] = {"sidecar": http_stack(paths["sidecar"].pid or 0)}
+        result["http_stacks"] = {
+            name: http_stack(paths[name].pid or 0) for name in SIDECARS if name in paths
+        }
         if stack is not None:
             result["http_stacks"]["vllm_api_server"] = engine_stack(stack.processes["engine"].pid)
         result["versions"] = versions_of(envoy)
@@ -1133,7 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
         started.stop()
         result["elapsed_s"] = round(time.monotonic() - began, 1)
         (results / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
-        for log in ("sidecar.log", "vllm.log", "envoy.log", "timeline.json", "stack.json"):
+        for log in ("sidecar.log", "sidecar-base.log", "vllm.log", "envoy.log", "timeline.json",
+                    "stack.json"):  # fmt: skip
             if (work / log).is_file():
                 shutil.copy2(work / log, results / log)
     if "summary" in result:
