@@ -78,7 +78,7 @@ $(VENV)/.bench-deps: $(BIN)/mla-serve tests/bench/requirements.txt tests/bench/r
 
 # Every benchmark runs even when one misses its target (exit 1); the names of those that did
 # are printed at the end, and make fails then.
-BENCHES = patches sidecar passthrough loops replay
+BENCHES = patches sidecar passthrough loops replay hot_path
 bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/bench/*.json
 	@failed=""; for name in $(BENCHES); do \
 	  echo "== bench_$$name"; \

@@ -1,7 +1,10 @@
 """The OpenAI pass-through: forward vLLM's OpenAI routes, classify what comes back.
 
-Written as a bare ASGI app on aiohttp's client, not FastAPI routes: every SSE
-chunk passes through here, and per-chunk overhead is the product. Bytes go
+Written as a bare ASGI app on aiohttp's client (and upstream.py's direct client for
+chat and completions), not FastAPI routes: every SSE chunk passes through here, and
+per-chunk overhead is the product. Under the sidecar's own httptools protocol the plain
+chat and completion requests skip ASGI altogether (fast.py's FastExchange, a subclass of
+Exchange here); everything below is shared by both paths. Bytes go
 out as they arrive and unchanged (complete SSE events per upstream read, never
 the whole response); status, headers and bodies are vLLM's own, less the
 hop-by-hop headers a proxy must not pass on and vLLM's Date (the sidecar dates its

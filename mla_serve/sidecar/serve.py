@@ -7,6 +7,9 @@ per connection: at most `max_header_bytes` of request line and headers, a deadli
 connections (past it a new connection gets a 503 and is closed), so a flood on the
 pass-through port cannot starve the admin port's probes.
 
+On httptools the pass-through's plain chat and completion requests are served from the
+protocol's callbacks without ASGI (fast.py; `LimitedHttpTools.fast_path`).
+
 Both ports are sockets of one uvicorn server (one event loop, one lifespan). SIGTERM
 starts a drain: uvicorn stops accepting on both, lets requests in flight finish for up to
 `drain_timeout` seconds, then cancels what is left and exits.
