@@ -461,6 +461,30 @@ def test_a_chunked_request_body_over_the_limit_is_refused(sidecar, scripted):
     assert closed and scripted.requests == []
 
 
+def test_the_fast_path_is_off_on_a_uvicorn_it_does_not_know(monkeypatch, caplog) -> None:
+    """The requests served without ASGI use uvicorn's httptools protocol's own attributes: on
+    a protocol that lacks one (another uvicorn), the sidecar keeps the ASGI path and says so."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from mla_serve.sidecar import fast
+
+    assert fast.compatible(HttpToolsProtocol)  # the uvicorn of every image lock
+
+    class Older(HttpToolsProtocol):
+        def on_message_begin(self) -> None:  # no `headers` list, no Expect flag
+            self.url = b""
+
+    assert not fast.compatible(Older)
+    settings = Settings(vllm_url="http://127.0.0.1:9")
+    path = fast.FastPath.__new__(fast.FastPath)
+    assert serve.protocol("httptools", serve.limits_of(settings), path).fast_path is path  # type: ignore[attr-defined]
+    monkeypatch.setattr(serve, "HttpToolsProtocol", Older)
+    with caplog.at_level("WARNING", logger="mla_serve.sidecar"):
+        chosen = serve.protocol("httptools", serve.limits_of(settings), path)
+    assert chosen.fast_path is None  # type: ignore[attr-defined]
+    assert "go through ASGI" in caplog.text
+
+
 def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
     assert upstream.AVAILABLE  # httptools is a test dependency, as it is in vLLM's image
     assert proxy.upstream_client("auto", "http://127.0.0.1:8000") == "direct"

@@ -53,6 +53,30 @@ STATUS_LINE = {
 LAST_CHUNK = b"0\r\n\r\n"
 
 
+# What FastPath and FastExchange use of uvicorn's httptools protocol (uvicorn 0.54.0 in
+# every image lock): the attributes it sets, and the methods called.
+PROTOCOL_NAMES = {
+    "__init__": ("pipeline", "server_state", "transport", "flow", "server", "client",
+                 "scheme", "cycle", "parser", "loop"),
+    "on_message_begin": ("url", "expect_100_continue", "headers"),
+    "on_header": ("expect_100_continue", "headers"),
+}  # fmt: skip
+PROTOCOL_METHODS = ("on_response_complete", "_unset_keepalive_if_required", "shutdown")
+
+
+def compatible(protocol: type) -> bool:
+    """Whether `protocol` (uvicorn's HttpToolsProtocol) still has what the fast path uses;
+    if not (another uvicorn), the requests go the ASGI path."""
+    try:
+        for method, names in PROTOCOL_NAMES.items():
+            code = getattr(protocol, method).__code__
+            if not set(names) <= set(code.co_names):
+                return False
+    except AttributeError:
+        return False
+    return all(callable(getattr(protocol, name, None)) for name in PROTOCOL_METHODS)
+
+
 def _status_line(status: int) -> bytes:
     line = STATUS_LINE.get(status)
     return line if line is not None else b"HTTP/1.1 %d \r\n" % status

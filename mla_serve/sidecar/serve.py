@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import math
 import socket
 from types import FrameType
@@ -30,10 +31,13 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from mla_serve.sidecar import fast
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.fast import FastExchange, FastPath
 from mla_serve.sidecar.proxy import CLIENT_GONE
 from mla_serve.sidecar.settings import Settings
+
+log = logging.getLogger("mla_serve.sidecar")
 
 
 class Limits:
@@ -247,6 +251,10 @@ def protocol(
     if kind == "auto":
         kind = "httptools" if importlib.util.find_spec("httptools") else "h11"
     if kind == "httptools":
+        if fast_path is not None and not fast.compatible(HttpToolsProtocol):
+            log.warning("this uvicorn's httptools protocol is not the one the fast path knows: "
+                        "chat and completions go through ASGI")  # fmt: skip
+            fast_path = None
         attributes = {"limits": limits, "fast_path": fast_path}
         return type("SidecarLimitedHttpTools", (LimitedHttpTools,), attributes)
     return type("SidecarLimitedH11", (LimitedH11,), {"limits": limits})
