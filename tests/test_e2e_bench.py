@@ -127,12 +127,16 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
         summary = result["summary"]["1"][name]
         assert summary["ttft_p50_added_ms"]["rounds"] == 2
         assert summary["pooled"]["run_ms_per_1000_chunks"] > 0
+        # per output token too: 8 tokens in 10 chunks (role, 8 tokens, usage) on every path
+        assert summary["pooled"]["tokens_per_chunk"] == 0.8
+        assert summary["pooled"]["cpu_ms_per_1000_tokens"] is not None
         assert f"| 1 | {name} | 2 |" in run["md"]
     assert "Counting: the sidecar counted 28 of 28 requests and 6 runaways" in run["md"]
     # --compare-src: a second sidecar (here the same checkout), started as the first was,
     # measured in the same rounds; the two revisions' CPU ratio per round and pooled
     versus = result["summary"]["1"]["sidecar_vs_base"]
-    assert versus["run_per_chunk_ratio"]["rounds"] == 2 and versus["pooled_ratio"]["stat_s"] > 0
+    assert versus["run_per_chunk_ratio"]["rounds"] == 2
+    assert versus["pooled_ratio"]["schedstat_s"] > 0  # ns; stat_s has 10 ms ticks: 0 here
     assert "sidecar / sidecar@base (--compare-src) CPU per chunk at c=1" in run["md"]
     assert result["http_stacks"]["sidecar@base"]["http"] == "httptools"
     assert [t["concurrency"] for t in result["targets"]] == [1, 4]

@@ -619,8 +619,13 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     if other != name and name in e["paths"][other]["cpu_s"]]  # fmt: skip
             idle_rate = sum(c for c, _ in idle) / max(1e-9, sum(w for _, w in idle))
             wall = sum(r["wall_s"] for r in mine)
+            tokens = sum(r["output_tokens"] for r in mine)
             summary["pooled"] = {
                 "cpu_ms_per_1000_chunks": round(cpu * 1e6 / chunks, 2) if chunks else None,
+                # vLLM merges tokens into fewer chunks when its reader falls behind, and how
+                # far differs by path: per output token compares the same work
+                "cpu_ms_per_1000_tokens": round(cpu * 1e6 / tokens, 2) if tokens else None,
+                "tokens_per_chunk": round(tokens / chunks, 3) if chunks else None,
                 "run_ms_per_1000_chunks": round(run_s * 1e6 / chunks, 2) if chunks else None,
                 "cpu_ms_per_request": round(cpu * 1e3 / done, 3) if done else None,
                 "idle_cpu_ms_per_s": round(idle_rate * 1e3, 3),
@@ -685,10 +690,12 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             row["envoy_throughput_ratio"] = envoy["output_tokens_per_s_ratio"]["median"]
             row["throughput_ge_envoy"] = bool(ratio) and ratio["median"] >= row[
                 "envoy_throughput_ratio"]  # fmt: skip
-            for key in ("cpu_ms_per_1000_chunks", "cpu_ms_per_request", "run_ms_per_1000_chunks"):
-                mine, theirs = sidecar["pooled"][key], envoy["pooled"][key]
+            for key in ("cpu_ms_per_1000_chunks", "cpu_ms_per_request", "run_ms_per_1000_chunks",
+                        "cpu_ms_per_1000_tokens", "tokens_per_chunk"):  # fmt: skip
+                mine, theirs = sidecar["pooled"].get(key), envoy["pooled"].get(key)
                 row[f"sidecar_{key}"], row[f"envoy_{key}"] = mine, theirs
-                row[f"{key}_le_envoy"] = None if None in (mine, theirs) else mine <= theirs
+                if key != "tokens_per_chunk":
+                    row[f"{key}_le_envoy"] = None if None in (mine, theirs) else mine <= theirs
         rows.append(row)
     return rows
 
@@ -823,7 +830,8 @@ def table(result: dict[str, Any]) -> str:
                   "95 % interval of the median):", ""]  # fmt: skip
         lines += ["| c | TTFT p50 added ms (band; 95 % interval) | <= 1 ms | tok/s ratio "
                   "(Envoy's) | >= 0.99 | >= Envoy | CPU ms/1000 chunks sidecar vs Envoy | CPU "
-                  "ms/request sidecar vs Envoy |", "|" + "---|" * 8]  # fmt: skip
+                  "ms/request sidecar vs Envoy | CPU ms/1000 output tokens sidecar vs Envoy "
+                  "(tokens per chunk) |", "|" + "---|" * 9]  # fmt: skip
         for t in result["targets"]:
             ci = t.get("ttft_p50_added_ci95_ms")
             interval = f"; {ci[0]}..{ci[1]}" if ci else ""
@@ -838,7 +846,10 @@ def table(result: dict[str, Any]) -> str:
                 f"vs {t.get('envoy_cpu_ms_per_1000_chunks')} "
                 f"({yes(t.get('cpu_ms_per_1000_chunks_le_envoy'))}) | "
                 f"{t.get('sidecar_cpu_ms_per_request')} vs {t.get('envoy_cpu_ms_per_request')} "
-                f"({yes(t.get('cpu_ms_per_request_le_envoy'))}) |"
+                f"({yes(t.get('cpu_ms_per_request_le_envoy'))}) | "
+                f"{t.get('sidecar_cpu_ms_per_1000_tokens')} vs "
+                f"{t.get('envoy_cpu_ms_per_1000_tokens')} ({t.get('sidecar_tokens_per_chunk')} vs "
+                f"{t.get('envoy_tokens_per_chunk')}) |"
             )
         lines.append("")
     for problem in c["problems"]:
@@ -994,7 +1005,12 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) != 2:
             print("usage: python -m tests.e2e.bench table bench.json", file=sys.stderr)
             return 2
-        sys.stdout.write(table(json.loads(Path(argv[1]).read_text())))
+        result = json.loads(Path(argv[1]).read_text())
+        if "series" in result:  # the summary again from the rounds, with today's figures
+            series = {int(k): v for k, v in result["series"].items()}
+            result["summary"] = {str(k): summarize(v) for k, v in series.items()}
+            result["targets"] = targets(result["summary"])
+        sys.stdout.write(table(result))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--store", type=Path, help="run.sh's store (live mode)")
