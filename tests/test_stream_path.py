@@ -27,6 +27,7 @@ import pytest
 from mla_serve.sidecar import proxy, serve, upstream
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
+from tests.hostile.wire import dechunk
 from tests.http_server import ServerThread
 from tests.scrape import count
 
@@ -251,7 +252,7 @@ def test_odd_chunkings_pass_unchanged_and_count_once(sidecar, scripted, case: st
     url = sidecar()
     plan = CASES[case]
     body = b"".join(piece for piece, _ in plan).partition(b"\r\n\r\n")[2]
-    sent = _dechunk(body)
+    sent = dechunk(body)
     finish = "length" if case == "multi-line events" else "stop"
     scripted.plans.append(plan)
     received = stream(url)
@@ -367,7 +368,7 @@ def _responses(sock: socket.socket, wanted: int, timeout: float = 20) -> list[tu
             end = rest.find(b"\r\n0\r\n\r\n")
             if length is None and (rest.startswith(b"0\r\n\r\n") or end >= 0):
                 stop = 5 if rest.startswith(b"0\r\n\r\n") else end + 7
-                replies.append((head, _dechunk(rest[:stop])))
+                replies.append((head, dechunk(rest[:stop])))
                 data = rest[stop:]
                 continue
         more = sock.recv(1 << 16)
@@ -438,7 +439,7 @@ def test_a_slow_reader_gets_every_byte_and_holds_vllm_back(sidecar, scripted):
             assert more, "the connection closed before the response ended"
             wire += more
     head, _, chunked = bytes(wire).partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200") and _dechunk(chunked) == body
+    assert head.startswith(b"HTTP/1.1 200") and dechunk(chunked) == body
     assert scripted.written[-1] > reading
     assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
 
@@ -494,18 +495,6 @@ def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
         proxy.upstream_client("direct", "https://vllm:8000")
     # uvicorn's httptools cycle is recognised, so the stream path writes to its transport
     assert proxy._HTTPTOOLS_CYCLE is not None
-
-
-def _dechunk(wire: bytes) -> bytes:
-    """The payload of a chunked body."""
-    out, at = [], 0
-    while True:
-        line_end = wire.index(b"\r\n", at)
-        size = int(wire[at:line_end], 16)
-        if size == 0:
-            return b"".join(out)
-        out.append(wire[line_end + 2 : line_end + 2 + size])
-        at = line_end + 2 + size + 2
 
 
 # -- the token-chunk fast path (proxy.token_chunk) is Proxy._one, state for state ----------

@@ -268,24 +268,17 @@ class FastExchange(Exchange):
     async def _connect(self) -> None:
         pool = self.proxy.pool
         assert pool is not None
-        upstream_url = self.settings.upstream
         try:
             conn = await pool.get()
         except TimeoutError:
-            self.connecting = None
-            message = f"vLLM is not reachable at {upstream_url}: connect timeout"
-            self._answer(503, error_body(503, message, "upstream_unavailable"))
+            self._unreachable("connect timeout")
             return
         except OSError as error:
-            self.connecting = None
-            message = f"vLLM is not reachable at {upstream_url}: {error}"
-            self._answer(503, error_body(503, message, "upstream_unavailable"))
+            self._unreachable(str(error))
             return
         except Exception as error:  # a bug must answer this request, not vanish in a task
-            self.connecting = None
             log.exception("connecting to vLLM failed")
-            message = f"vLLM is not reachable at {upstream_url}: {_why(error)}"
-            self._answer(503, error_body(503, message, "upstream_unavailable"))
+            self._unreachable(_why(error))
             return
         self.connecting = None
         if self.ended:
@@ -317,15 +310,18 @@ class FastExchange(Exchange):
             return
         if self.connecting is not None:
             self.connecting.cancel()
-            self.connecting = None
-            message = f"vLLM is not reachable at {self.settings.upstream}: connect timeout"
-            self._answer(503, error_body(503, message, "upstream_unavailable"))
+            self._unreachable("connect timeout")
             return
         if self.conn is not None:
             self.conn.abort()
             self.conn = None
         message = f"vLLM sent no response within {self.settings.response_timeout:g} s"
         self._answer(504, error_body(504, message, "upstream_timeout"))
+
+    def _unreachable(self, why: str) -> None:
+        self.connecting = None
+        message = f"vLLM is not reachable at {self.settings.upstream}: {why}"
+        self._answer(503, error_body(503, message, "upstream_unavailable"))
 
     # -- the upstream connection's callbacks (Exchange's, writing to the client) -----------
     def head(self, status: int, headers: upstream.Headers) -> None:
@@ -379,25 +375,12 @@ class FastExchange(Exchange):
             return
         self.transport.write(out)
 
-    def _queue(self, out: bytes) -> None:
-        self.pending.append(out)
-        self.pending_size += len(out)
-        if self.pending_size > self.HIGH_WATER and self.conn is not None:
-            self.conn.pause()
-
     def end(self) -> None:
-        self.complete = True
-        self.finished = True
-        if self.conn is not None:
-            self.conn.release()
-            self.conn = None
+        super().end()
         self._end()
 
     def lost(self, why: str, retryable: bool) -> None:
-        self.broken = why
-        self.retryable = retryable
-        self.finished = True
-        self.conn = None
+        super().lost(why, retryable)
         if self.status:
             self._end()
             return
@@ -408,12 +391,7 @@ class FastExchange(Exchange):
         self._answer(502, error_body(502, message, "upstream_error"))
 
     def _finish(self, failure: str | None) -> None:
-        self.finished = True
-        if failure is not None and self.broken is None:
-            self.broken = failure
-        if self.conn is not None:
-            self.conn.abort()
-            self.conn = None
+        super()._finish(failure)
         if self.status:
             self._end()
 
@@ -424,12 +402,8 @@ class FastExchange(Exchange):
     def _end(self) -> None:
         """vLLM's response is over (complete, broken off, stopped by the loop guard, or
         silent too long): the last bytes to the client, the completion counted."""
-        if self.ended:
+        if not self._ending():
             return
-        self.ended = True
-        if self.idle_handle is not None:
-            self.idle_handle.cancel()
-            self.idle_handle = None
         proxy = self.proxy
         out = b"".join(self.batch)
         self.batch.clear()
@@ -461,6 +435,16 @@ class FastExchange(Exchange):
         proxy._settle(self.completion, request.guard, request.model)
         self._done()
 
+    def _ending(self) -> bool:
+        """Mark the response as ending, once: False when it already was. Its timer stops."""
+        if self.ended:
+            return False
+        self.ended = True
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+            self.idle_handle = None
+        return True
+
     def _write(self, out: bytes) -> None:
         """The last bytes: after what waits, whatever the client's pace (the transport
         buffers them; what waits is at most HIGH_WATER and one read)."""
@@ -480,12 +464,8 @@ class FastExchange(Exchange):
 
     def _answer(self, status: int, body: bytes) -> None:
         """A response of the sidecar's own before vLLM's head (proxy._respond's)."""
-        if self.ended:
+        if not self._ending():
             return
-        self.ended = True
-        if self.idle_handle is not None:
-            self.idle_handle.cancel()
-            self.idle_handle = None
         unread = self.reading  # the rest of the request is not read: end the connection
         self.reading = False
         self.close()

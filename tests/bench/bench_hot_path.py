@@ -39,6 +39,7 @@ from mla_serve.sidecar import fast, proxy, upstream
 from mla_serve.sidecar.loops import LoopGuard
 from mla_serve.sidecar.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
+from tests.hostile.wire import dechunk
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDINGS = "tests/e2e/results/*/*/recorded_streams.json"
@@ -114,17 +115,6 @@ def load(pattern: str) -> list[dict[str, Any]]:
                 "reads": [text.encode() for _, text in recorded["chunks"]],
             })  # fmt: skip
     return streams
-
-
-def dechunk(wire: bytes) -> bytes:
-    out, at = [], 0
-    while True:
-        end = wire.index(b"\r\n", at)
-        size = int(wire[at:end], 16)
-        if size == 0:
-            return b"".join(out)
-        out.append(wire[end + 2 : end + 2 + size])
-        at = end + 4 + size
 
 
 class HotPath:

@@ -90,15 +90,18 @@ def _parse(data: bytes, closed: bool, seconds: float) -> Reply:
 
 
 def dechunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size_line, _, rest = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
+    """The payload of a chunked body (up to its last chunk, or as far as it goes)."""
+    out, at = [], 0
+    while at < len(data):
+        end = data.find(b"\r\n", at)
+        if end < 0:
+            break
+        size = int(data[at:end].split(b";")[0] or b"0", 16)
         if size == 0:
             break
-        out += rest[:size]
-        data = rest[size + 2 :]
-    return out
+        out.append(data[end + 2 : end + 2 + size])
+        at = end + 2 + size + 2
+    return b"".join(out)
 
 
 def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
