@@ -172,6 +172,7 @@ def test_a_miscount_is_a_problem() -> None:
         ["--rounds", "1=x"],
         ["--levels", "1,16", "--rounds", "1=2", "--requests", "1=3"],
         ["--levels", "0", "--rounds", "0=1", "--requests", "0=1"],
+        ["--compare-src", "/nonexistent/checkout"],
         [],
     ],
 )

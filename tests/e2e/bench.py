@@ -67,6 +67,7 @@ ROOT = HERE.parents[1]
 PATHS = ("direct", "sidecar", "sidecar@base", "envoy")
 PROXIES = ("sidecar", "sidecar@base", "envoy")
 SIDECARS = ("sidecar", "sidecar@base")
+BASE_MODULE = "mla_serve/sidecar/proxy.py"  # what a --compare-src checkout must hold
 CLIENT = HERE / "bench_client.py"
 STREAMS_PER_CLIENT = 16
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -264,8 +265,6 @@ def start_base(sidecar: Path_, source: Path, work: Path, started: Started) -> Pa
             argv[index] = str(cwd / arg)
     environ = Path(f"/proc/{sidecar.pid}/environ").read_bytes().decode().split("\0")
     env = dict(item.split("=", 1) for item in environ if "=" in item)
-    if not (source / "mla_serve" / "sidecar" / "proxy.py").is_file():
-        raise ValueError(f"--compare-src {source}: no mla_serve/sidecar/proxy.py there")
     env["PYTHONPATH"] = os.pathsep.join([str(source.resolve()), env.get("PYTHONPATH", "")])
     port, admin = free_port(), free_port()
     for flag, value in (("--port", port), ("--admin-port", admin)):
@@ -1103,6 +1102,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.profile and (py_spy is None or not py_spy.is_file()):
         parser.error(f"--profile: no py-spy at {py_spy}")
+    if args.compare_src is not None and not (args.compare_src / BASE_MODULE).is_file():
+        parser.error(f"--compare-src {args.compare_src}: no {BASE_MODULE} there (a checkout "
+                     "or `git archive REV mla_serve` of another revision)")  # fmt: skip
     results, work = args.results.resolve(), args.work.resolve()
     if results == work or work in results.parents or results in work.parents:
         parser.error(f"--work {work} and --results {results} must not overlap (--work is wiped)")
