@@ -27,6 +27,7 @@ import pytest
 from mla_serve.sidecar import proxy, serve, upstream
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
+from tests.hostile import wire
 from tests.hostile.wire import dechunk
 from tests.http_server import ServerThread
 from tests.scrape import count
@@ -335,17 +336,10 @@ def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, 
         server.stop()
 
 
-def _request(body: bytes, stream: bool = True) -> bytes:
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: sidecar\r\n"
-        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
-    )
-
-
 def _ask(stream: bool = True) -> bytes:
     document = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-    return _request(json.dumps(document).encode())
+    return wire.post("/v1/chat/completions", json.dumps(document).encode())
 
 
 def _responses(sock: socket.socket, wanted: int, timeout: float = 20) -> list[tuple[bytes, bytes]]:
@@ -406,7 +400,7 @@ def test_an_answer_in_the_read_of_the_next_request_keeps_the_connection(sidecar,
                            (b"0\r\n\r\n", 0.0)])  # fmt: skip
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(_request(b"{not json") + _ask())
+        sock.sendall(wire.post("/v1/chat/completions", b"{not json") + _ask())
         replies = _responses(sock, 2)
     assert [head.split(b" ", 2)[1] for head, _ in replies] == [b"400", b"200"]
     assert json.loads(replies[0][1])["error"]["type"] == "invalid_request_error"

@@ -39,10 +39,11 @@ from mla_serve.sidecar import fast, proxy, upstream
 from mla_serve.sidecar.loops import LoopGuard
 from mla_serve.sidecar.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
+from tests.bench.bench_replay import RECORDINGS
+from tests.bench.passthrough import replay
 from tests.hostile.wire import dechunk
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDINGS = "tests/e2e/results/*/*/recorded_streams.json"
 PATH = "/v1/chat/completions"
 # The request headers the official openai client sends, less its per-request id.
 CLIENT_HEADERS = [
@@ -101,11 +102,11 @@ class Protocol:
 
 
 def load(pattern: str) -> list[dict[str, Any]]:
-    """Each recorded stream: the request (asking for usage, as the live bench does), vLLM's
-    headers, its reads."""
+    """Each recorded stream (replay.load_sets reads the files): the request (asking for
+    usage, as the live bench does), vLLM's headers, its reads."""
     streams = []
-    for path in sorted(ROOT.glob(pattern)):
-        for recorded in json.loads(path.read_text())["streams"]:
+    for recorded_set in replay.load_sets([str(p) for p in sorted(ROOT.glob(pattern))]):
+        for recorded in recorded_set["streams"].values():
             request = {**recorded["request"], "stream_options": {"include_usage": True}}
             headers = recorded["headers"]
             pairs = headers.items() if isinstance(headers, dict) else headers
