@@ -28,11 +28,18 @@ help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
 # The tool itself: no runtime dependencies, so `make dist` needs only this.
-$(BIN)/mla-serve: pyproject.toml
+$(BIN)/mla-serve: pyproject.toml hatch_build.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
+
+# The sidecar's C lane (mla_serve/sidecar/_lane.c), in place for the editable install; the
+# tests and benchmarks need it (`make dist` does not: without a compiler the install above
+# warns and the sidecar reads in Python).
+LANE := mla_serve/sidecar/_lane.abi3.so
+$(LANE): mla_serve/sidecar/_lane.c hatch_build.py | $(BIN)/mla-serve
+	$(BIN)/python hatch_build.py
 
 # What the tests add: CPU torch and the libraries vLLM's pure-Python modules
 # import, so they run vLLM's own code from the released wheels.
@@ -63,7 +70,7 @@ generate: $(BIN)/mla-serve  ## rewrite every generated file (values.schema.json,
 check-generated: $(BIN)/mla-serve  ## fail when a generated file is stale (part of lint)
 	@for tool in $(GENERATORS); do $(BIN)/python $$tool --check; done
 
-test: lint $(VENV)/.test-deps  ## lint, then every test (downloads the 7 vLLM wheels once)
+test: lint $(VENV)/.test-deps $(LANE)  ## lint, then every test (downloads the 7 vLLM wheels once)
 	$(BIN)/python -m pytest
 
 # bench_passthrough.py: httptools in the venv, as vLLM's image has it (fastapi[standard]), and

@@ -145,7 +145,7 @@ extra=(${DOCKER_BUILD_FLAGS:-})
 
 echo "docker build: $IMAGE (vLLM ${VLLM_VERSION} from ${VLLM_SOURCE}, base ${BASE_IMAGE}${PLATFORM:+, $PLATFORM})"
 git ls-files -z --cached --others --exclude-standard -- \
-        pyproject.toml README.md mla_serve patches docker |
+        pyproject.toml README.md hatch_build.py mla_serve patches docker |
     while IFS= read -r -d '' path; do
         if [ -f "$path" ]; then printf '%s\0' "$path"; fi
     done |

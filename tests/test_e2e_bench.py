@@ -123,6 +123,10 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
     # the sidecar really runs on the stack vLLM's image ships (the test venv has both)
     assert result["http_stacks"]["sidecar"]["loop"] == "uvloop"
     assert result["http_stacks"]["sidecar"]["http"] == "httptools"
+    # and reads vLLM's token chunks in C (its lane), as the image's sidecar does
+    told = result["pass_through"]["sidecar"]
+    assert told["lane"] and told["lane_reads"] > 0
+    assert "; sidecar: C lane on (" in run["md"]
     for name in paths[1:]:
         summary = result["summary"]["1"][name]
         assert summary["ttft_p50_added_ms"]["rounds"] == 2

@@ -186,21 +186,24 @@ def client_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(params=["sidecar", "httptools", "h11"])
+@pytest.fixture(params=["sidecar", "sidecar-python", "httptools", "h11"])
 def sidecar(
     request: pytest.FixtureRequest, scripted: Scripted, client_kind: str
 ) -> Iterator[Callable[[], str]]:
     """The sidecar on its own protocol (serve.py; with the direct client, chat and
-    completions without ASGI: fast.py), and as an ASGI app on uvicorn's two protocols."""
+    completions without ASGI: fast.py, token chunks in C where the lane takes them; and with
+    the lane off, every read in Python), and as an ASGI app on uvicorn's two protocols."""
     servers: list[ServerThread] = []
 
     def start(keep_alive: int = 5, **overrides: Any) -> str:
+        if request.param == "sidecar-python":
+            overrides.setdefault("lane", "off")
         settings = Settings(vllm_url=scripted.url, poll_interval=0.2,
                             upstream_client=client_kind, stream_idle_timeout=2.0,
                             **overrides)  # fmt: skip
         app = create_app(settings)
         http: Any = request.param
-        if http == "sidecar":
+        if http.startswith("sidecar"):
             http = serve.protocol("httptools", serve.limits_of(settings), app.fast)
         servers.append(ServerThread(app, http=http, keep_alive=keep_alive).start())
         return servers[-1].url

@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mla_serve import __version__
-from mla_serve.sidecar import engine, fixes, health, routes, status, vllm_log
+from mla_serve.sidecar import engine, fixes, health, routes, status, upstream, vllm_log
 from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.canary import Canary
 from mla_serve.sidecar.fast import FastPath
@@ -68,6 +68,7 @@ class Sidecar:
                 max_event_bytes=settings.max_event_bytes,
                 max_headers=settings.max_headers,
                 upstream_client=settings_.upstream_client(settings),
+                lane=settings_.lane(settings),
                 routes=routes.OPENAI_ROUTES + settings_.extra_routes(settings),
                 trusted_proxies=settings_.trusted_proxies(settings),
                 http10_max_response_bytes=settings.max_body_bytes,
@@ -100,7 +101,15 @@ class Sidecar:
         if self.canary is not None:
             canary["last_round"] = self.canary.last_round
             canary["recent_runaways"] = self.canary.ledger.recent_json()
+        pool = self.proxy.pool
+        lane = pool is not None and pool.lane
         extra: dict[str, object] = {
+            "pass_through": {
+                "upstream_client": self.proxy.settings.upstream_client,
+                # token chunks read in C (upstream.py, _lane.c), and how many reads so far
+                "lane": lane,
+                "lane_reads": upstream.lane_reads() if lane else 0,
+            },
             "runaways": {"recent": self.ledger.recent_json()},
             "canary": canary,
             "background_errors": dict(self.task_errors),

@@ -375,6 +375,37 @@ class FastExchange(Exchange):
             return
         self.transport.write(out)
 
+    def may_arm(self, conn: upstream.Connection) -> None:
+        """vLLM's parser is between two chunks: the lane (upstream.py, _lane.c) takes this
+        stream's next reads of token chunks, which proxy.token_chunk would take here."""
+        head = self.head_bytes
+        splitter = self.splitter
+        if (
+            head is None
+            or splitter is None
+            or splitter.pieces
+            or self.ended
+            or self.finished
+            or not self.chunked
+            or self.head_out is not None
+        ):
+            return
+        completion = self.completion
+        choice = completion.choices.get(0)
+        if completion.id is None or completion.model is None or choice is None:
+            return
+        guard = self.request.guard
+        watch = None
+        check_every = 0
+        if guard is not None:
+            watch = guard.watches.get(0)
+            if watch is None or not guard.head or guard.stopped:
+                return
+            if guard.looping and guard.action == "stop":
+                return  # each token decides whether the stream stops: the guard's own path
+            check_every = guard.config.check_every
+        conn.arm(self, head, choice, guard, watch, check_every)
+
     def end(self) -> None:
         super().end()
         self._end()

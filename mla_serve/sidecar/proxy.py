@@ -98,6 +98,7 @@ class ProxySettings:
     # "direct": chat/completions on upstream.py's client (needs httptools and a plain
     # http:// URL without a path); "aiohttp": everything on aiohttp's client.
     upstream_client: str = "aiohttp"
+    lane: bool | None = None  # the direct client's reads of token chunks in C (None: upstream.LANE)
     routes: tuple[str, ...] = OPENAI_ROUTES
     trusted_proxies: tuple[Network, ...] = ()
     http10_max_response_bytes: int = 16 * 1024 * 1024
@@ -223,7 +224,9 @@ class Proxy:
 
     async def start(self) -> None:
         if self.settings.upstream_client == "direct":
-            self.pool = upstream.Pool(self.settings.upstream, self.settings.connect_timeout)
+            self.pool = upstream.Pool(
+                self.settings.upstream, self.settings.connect_timeout, lane=self.settings.lane
+            )
         self._session = aiohttp.ClientSession(
             base_url=self.settings.upstream,
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
@@ -750,6 +753,9 @@ class Exchange:
             self.conn.release()
             self.conn = None
         self._wake()
+
+    def may_arm(self, conn: upstream.Connection) -> None:
+        pass  # the lane writes to the client's transport: the fast path's exchanges only
 
     def lost(self, why: str, retryable: bool) -> None:
         self.broken = why

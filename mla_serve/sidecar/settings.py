@@ -50,6 +50,7 @@ class Settings:
     drain_timeout: float = 30.0
     extra_routes: str | None = None  # comma-separated, `*` for one segment
     upstream_client: str = "auto"  # auto, direct (upstream.py), aiohttp: see proxy.upstream_client
+    lane: str = "auto"  # auto, on, off: token chunks read in C (upstream.py, _lane.c)
     trusted_proxies: str | None = None  # comma-separated addresses/CIDRs whose XFF is kept
     # The optional canary: a long-prefix prompt sent periodically, counted apart.
     canary_prompt_file: Path | None = None
@@ -185,6 +186,14 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "pass-through client for chat/completions: direct (a bare HTTP/1.1 client, needs "
         "httptools and an http:// --vllm-url), aiohttp, or auto: direct when usable (auto)",
     ),
+    (
+        "--lane",
+        "MLA_SERVE_LANE",
+        str,
+        "reads of vLLM's token chunks on the direct client in C (the sidecar's _lane "
+        "extension): auto (when built; the image has it), on (refuse to start without it), "
+        "or off (every read in Python, the same effects) (auto)",
+    ),
     ("--canary-prompt-file", "MLA_SERVE_CANARY_PROMPT_FILE", Path, "canary prompt; off when unset"),
     ("--canary-model", "MLA_SERVE_CANARY_MODEL", str, "canary model (default: the first served)"),
     (
@@ -284,6 +293,7 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
         extra_routes(settings)
         trusted_proxies(settings)
         upstream_client(settings)
+        lane(settings)
     except ValueError as error:
         raise SettingsError(str(error)) from None
     if settings.canary_prompt_file is not None and not settings.canary_prompt_file.is_file():
@@ -364,6 +374,20 @@ def upstream_client(settings: Settings) -> str:
     from mla_serve.sidecar.proxy import upstream_client as choose
 
     return choose(settings.upstream_client, settings.vllm_url)
+
+
+def lane(settings: Settings) -> bool:
+    """Whether the direct client reads token chunks in C; ValueError when the choice is
+    unknown, or `on` where the extension is not built."""
+    choice = settings.lane
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"--lane must be one of auto, on, off, got {choice!r}")
+    from mla_serve.sidecar import upstream
+
+    if choice == "on" and not upstream.LANE_BUILT:
+        raise ValueError("--lane on: the C lane (mla_serve/sidecar/_lane) is not built in this "
+                         "install; build with a C compiler, or use --lane auto or off")  # fmt: skip
+    return choice != "off" and upstream.LANE_BUILT
 
 
 def trusted_proxies(

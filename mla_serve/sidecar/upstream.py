@@ -5,7 +5,10 @@ installed (vLLM's image has it: uvicorn[standard]) and vLLM's URL is plain http.
 response is handed to a `Sink` from the connection's own callbacks: the status and headers
 once, then every piece of the body as the parser frees it from the transfer coding, then
 the end, or why it broke off. No stream reader, no task switch per read: whoever consumes
-the body (proxy.Exchange) does it inside `data_received`.
+the body (proxy.Exchange) does it inside `data_received`. Where the lane is built
+(`_lane.c`, a C extension; the image always has it), `data_received` is a `_lane.Lane`: once
+the consumer arms it (fast.FastExchange.arm), a read of token chunks only is done in C, with
+the same effects; every other read comes to the Python method here.
 
 Connections are kept for reuse after a complete response that allows it, for at most
 `keepalive` seconds idle (uvicorn, vLLM's server, closes idle ones after 5 s). A request
@@ -16,7 +19,7 @@ back is reported as `retryable`: the server closed it idle, the request was neve
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 try:
@@ -26,7 +29,22 @@ except ImportError:  # not in every install: the pass-through then uses aiohttp 
 
 AVAILABLE = httptools is not None
 
+try:
+    from mla_serve.sidecar import _lane
+except ImportError:  # a build without a C compiler: every read in Python, the same effects
+    _lane = None  # type: ignore[assignment]
+
+LANE_BUILT = _lane is not None
+# Whether pools made from now on take token chunks in C, unless told (`--lane`; the tests).
+LANE = LANE_BUILT
+
 Headers = list[tuple[bytes, bytes]]
+
+
+def lane_reads() -> int:
+    """Reads of vLLM's sockets done in C so far (every connection of this process)."""
+    return _lane.taken() if _lane is not None else 0
+
 
 # What vLLM may send before its response's body: status line and headers, in bytes (Envoy's
 # default header limit is 60 KiB; aiohttp's 8 KiB a line). Beyond it the response is refused
@@ -41,6 +59,7 @@ class Sink(Protocol):
     def body(self, data: bytes) -> None: ...
     def fed(self) -> None: ...  # after the body pieces of one read: a place to batch writes
     def end(self) -> None: ...
+    def may_arm(self, conn: Connection) -> None: ...  # the parser is between two chunks
     def lost(self, why: str, retryable: bool) -> None: ...
 
 
@@ -65,10 +84,18 @@ class Connection(asyncio.Protocol):
         self.keep = False
         self.clock = pool.loop.time
         self.last_read = 0.0
+        self.sizes: list[int] = []  # the sizes of the body pieces the parser gave this read
+        self.lane: _lane.Lane | None = None
+        if pool.lane and _lane is not None:
+            # asyncio and uvloop call the protocol's data_received: the lane's, set before
+            # the transport exists (uvloop looks it up once, at connection_made).
+            self.lane = _lane.Lane(self.data_received)  # the method: the lane's fallback
+            self.data_received = self.lane  # type: ignore[method-assign]
 
     # -- used by the consumer ------------------------------------------------------------
     def request(self, payload: bytes, sink: Sink) -> None:
         assert self.transport is not None and self.sink is None
+        self.disarm()
         self.sink = sink
         self.headers = []
         self.got_bytes = False
@@ -90,8 +117,19 @@ class Connection(asyncio.Protocol):
             if not self.closed:
                 self.transport.resume_reading()
 
+    def disarm(self) -> None:
+        """Every read to the Python path (a new consumer, or the end of one)."""
+        if self.lane is not None:
+            self.lane.disarm()
+
+    def arm(self, *args: Any) -> None:
+        """The lane takes the consumer's token chunks (fast.FastExchange.may_arm says which)."""
+        assert self.lane is not None
+        self.lane.arm(self, *args)
+
     def abort(self) -> None:
         """Drop the connection (vLLM aborts a request whose client went away)."""
+        self.disarm()
         self.sink = None
         self.closed = True
         if self.transport is not None:
@@ -99,6 +137,7 @@ class Connection(asyncio.Protocol):
 
     def release(self) -> None:
         """After the sink saw `end()`: back to the pool when the response allows it."""
+        self.disarm()
         self.sink = None
         if self.paused:
             self.resume()
@@ -115,8 +154,10 @@ class Connection(asyncio.Protocol):
         self.got_bytes = True
         self.last_read = self.clock()
         sink = self.sink
-        if not self.head_done:
+        head_done = self.head_done
+        if not head_done:
             self.head_bytes += len(data)
+        self.sizes.clear()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -126,6 +167,17 @@ class Connection(asyncio.Protocol):
             self._refuse(sink, f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
             return
         sink.fed()
+        # Whole chunks whose payloads were the read's body pieces, size for size: the parser
+        # was between two chunks before the read and is again (in any other state it would
+        # have cut the bytes elsewhere).
+        if (
+            self.lane is not None
+            and head_done
+            and self.sizes
+            and self.sink is sink
+            and _lane.frames(data) == self.sizes
+        ):
+            sink.may_arm(self)
 
     def _refuse(self, sink: Sink, why: str) -> None:
         self.sink = None
@@ -134,6 +186,7 @@ class Connection(asyncio.Protocol):
         sink.lost(why, False)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm()
         self.closed = True
         sink, self.sink = self.sink, None
         if sink is None:
@@ -167,6 +220,7 @@ class Connection(asyncio.Protocol):
             self.sink.head(status, self.headers)
 
     def on_body(self, body: bytes) -> None:
+        self.sizes.append(len(body))
         if self.sink is not None:
             self.sink.body(body)
 
@@ -184,7 +238,9 @@ class Connection(asyncio.Protocol):
 class Pool:
     """Idle keep-alive connections to one vLLM, newest first."""
 
-    def __init__(self, url: str, connect_timeout: float, keepalive: float = 4.0) -> None:
+    def __init__(
+        self, url: str, connect_timeout: float, keepalive: float = 4.0, lane: bool | None = None
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or parts.path not in ("", "/") or parts.hostname is None:
             raise ValueError(f"not a plain http:// origin: {url}")
@@ -193,6 +249,7 @@ class Pool:
         self.authority = parts.netloc.rpartition("@")[2].encode("latin-1")
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
+        self.lane = LANE if lane is None else lane and _lane is not None
         self.idle: list[tuple[Connection, float]] = []
         self.loop = asyncio.get_running_loop()
 

@@ -118,6 +118,40 @@ def load(pattern: str) -> list[dict[str, Any]]:
     return streams
 
 
+class VllmTransport:
+    """vLLM's side of a connection: keeps what the sidecar writes to it."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def frame(event: bytes) -> bytes:
+    """One HTTP/1.1 chunk, as vLLM's uvicorn writes it."""
+    return b"%x\r\n%b\r\n" % (len(event), event)
+
+
+def response_head(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """vLLM's status line and headers, as its uvicorn writes them."""
+    lines = [b"HTTP/1.1 200 OK\r\n", *(b"%s: %s\r\n" % pair for pair in headers), b"\r\n"]
+    return b"".join(lines)
+
+
 class HotPath:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         settings = Settings(vllm_url="http://127.0.0.1:8000")
@@ -142,6 +176,20 @@ class HotPath:
         request.body.clear()
         self.proxy._release(request)
         return exchange
+
+    def connect(self, exchange: fast.FastExchange) -> upstream.Connection:
+        """The request (made by `request`) sent on a pooled connection to vLLM (no socket),
+        as request_done sends it; its `data_received` takes vLLM's reads (the C lane's where
+        built and `upstream.LANE` is on)."""
+        pool = self.proxy.pool
+        assert pool is not None
+        conn = upstream.Connection(pool)
+        conn.connection_made(VllmTransport())  # type: ignore[arg-type]
+        pool.idle.append((conn, self.loop.time()))
+        exchange.reading = False
+        exchange._attempt()
+        assert exchange.conn is conn
+        return conn
 
     def response(self, exchange: fast.FastExchange, stream: dict[str, Any]) -> None:
         exchange.head(200, stream["headers"])
@@ -238,6 +286,9 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
                 exchange.fed()
 
     per_token = [timed(token_pass, [None] * scale) / (tokens * scale) for _ in range(repeats)]
+    per_read = {"python": per_token_read(hot, streams, False, repeats, scale)}
+    if upstream._lane is not None:
+        per_read["lane"] = per_token_read(hot, streams, True, repeats, scale)
     token_us = min(per_token)
     response_us = [t / n for t in passes["response"]]
     rest = [r - token_us * tokens / len(streams) for r in response_us]
@@ -256,8 +307,50 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
         "us_per_request_response_side": spread(response_us),
         "us_per_token_chunk": spread(per_token),
         "us_per_request_response_less_token_chunks": spread(rest),
+        # the whole read of a token chunk: Connection.data_received (httptools, the
+        # exchange), or the C lane's (_lane.c) where it takes the read
+        "us_per_token_read": {way: spread(times) for way, (times, _) in per_read.items()},
+        "lane_took": per_read["lane"][1] if "lane" in per_read else None,
         "problems": problems,
     }
+
+
+def per_token_read(
+    hot: HotPath, streams: list[dict[str, Any]], lane: bool, repeats: int, scale: int
+) -> tuple[list[float], float]:
+    """Microseconds per read of one token chunk through the connection (each stream's
+    response read first, the Python path arming the lane as it does), and the share of
+    those reads the lane took."""
+    saved = upstream.LANE
+    upstream.LANE = lane
+    try:
+        setups = []
+        for stream in streams:
+            exchange = hot.request(stream)
+            conn = hot.connect(exchange)
+            conn.data_received(response_head([*stream["headers"],
+                                              (b"transfer-encoding", b"chunked")]))  # fmt: skip
+            token_reads = []
+            for data in stream["reads"]:
+                head = exchange.head_bytes
+                if head is not None and data.startswith(head):
+                    token_reads.append(frame(data))
+                conn.data_received(frame(data))
+            exchange.protocol.transport.out.clear()
+            setups.append((conn, token_reads))
+        count = sum(len(reads) for _, reads in setups) * scale
+
+        def read_pass(_: object) -> None:
+            for conn, token_reads in setups:
+                for data in token_reads:
+                    conn.data_received(data)
+
+        taken = upstream._lane.taken() if upstream._lane is not None else 0
+        times = [timed(read_pass, [None] * scale) / count for _ in range(repeats)]
+        taken = (upstream._lane.taken() if upstream._lane is not None else 0) - taken
+        return times, round(taken / (count * repeats), 4)
+    finally:
+        upstream.LANE = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no recorded streams under {args.recordings}", file=sys.stderr)
         return 1
     result = asyncio.run(measure(streams, args.repeats, args.scale))
-    result["what"] = ("IN-PROCESS, warm caches, no sockets: the pass-through's Python work on "
-                      "real vLLM streams (fast.py's FastExchange, guard observing)")  # fmt: skip
+    result["what"] = ("IN-PROCESS, warm caches, no sockets: the pass-through's work on real vLLM "
+                      "streams (fast.py's FastExchange, guard observing; token reads also "
+                      "through the C lane)")  # fmt: skip
     result["python"] = platform.python_version()
     result["machine"] = platform.machine()
     print(result["what"])
@@ -283,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                 "us_per_request_response_less_token_chunks", "us_per_token_chunk"):  # fmt: skip
         b = result[key]
         print(f"  {key:45s} best {b['best']:8.2f} us, median {b['median']:.2f}, max {b['max']:.2f}")
+    for way, b in result["us_per_token_read"].items():
+        took = f" (the lane took {result['lane_took']:.1%} of them)" if way == "lane" else ""
+        print(f"  us_per_token_read, {way:6s}                    best {b['best']:8.2f} us, "
+              f"median {b['median']:.2f}, max {b['max']:.2f}{took}")  # fmt: skip
     for problem in result["problems"]:
         print(f"PROBLEM: {problem}")
     if args.out is not None:

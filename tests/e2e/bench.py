@@ -789,6 +789,12 @@ def table(result: dict[str, Any]) -> str:
     stack = result["http_stacks"]
     sidecar, engine = stack.get("sidecar", {}), stack.get("vllm_api_server")
     runs_on = f"Sidecar on {sidecar.get('loop')} + {sidecar.get('http')}"
+    for name, told in (result.get("pass_through") or {}).items():
+        if told is None:
+            runs_on += f"; {name}: no C lane"
+        else:
+            runs_on += (f"; {name}: C lane {'on' if told.get('lane') else 'off'} "
+                        f"({told.get('lane_reads')} reads in C)")  # fmt: skip
     if engine:
         runs_on += f"; vLLM's API server on {engine.get('loop')} + {engine.get('http')}"
     if "envoy" in result["versions"]:
@@ -983,6 +989,19 @@ def profile(py_spy: Path, sidecar: Path_, bench: Bench, level: int, requests: in
             "log": log[-5:]}  # fmt: skip
 
 
+def pass_through(admin_url: str | None) -> dict[str, Any] | None:
+    """The sidecar's own account of its pass-through (/status): the upstream client, whether
+    token chunks were read in C (its _lane) and how many; None from a sidecar without it."""
+    if admin_url is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"{admin_url}/status", timeout=10) as response:
+            found = json.load(response).get("pass_through")
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def conclude(result: dict[str, Any], bench: Bench) -> None:
     """Summary, checks and targets of the rounds measured."""
     result["series"] = {str(k): v for k, v in bench.series.items()}
@@ -994,6 +1013,12 @@ def conclude(result: dict[str, Any], bench: Bench) -> None:
         result["checks"]["problems"].append(
             f"the sidecar ran on {ran_on['loop']} + {ran_on['http']}, not on uvloop + "
             "httptools as in vLLM's image"
+        )
+    lane = (result.get("pass_through") or {}).get("sidecar") or {}
+    if not lane.get("lane") or not lane.get("lane_reads"):
+        result["checks"]["problems"].append(
+            f"the sidecar read no token chunk in C ({lane or 'no /status pass_through'}): the "
+            "image has its lane (mla_serve/sidecar/_lane.c)"
         )
     result["skipped"] = bench.skipped
 
@@ -1173,6 +1198,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paths: {', '.join(paths)}; sidecar on {result['http_stacks']['sidecar']['loop']}"
               f" + {result['http_stacks']['sidecar']['http']}", flush=True)  # fmt: skip
         bench.run(Plan(levels, rounds, requests, args.base_rounds))
+        result["pass_through"] = {
+            name: pass_through(paths[name].admin_url) for name in SIDECARS if name in paths
+        }
         if args.profile and py_spy is not None:
             result["profile"] = profile(
                 py_spy,

@@ -36,6 +36,7 @@ import fnmatch
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -193,10 +194,15 @@ def envoy_carry(folder: Path) -> list[str]:
 
 
 def project_wheel(dest: Path) -> Path:
-    """mla-serve's own wheel, built from this checkout."""
+    """mla-serve's own wheel, built from this checkout, with the sidecar's C lane (built for
+    this machine's architecture; the stable ABI, so the GPU machine's CPython 3.12 loads it).
+    run.sh puts the lane beside the checkout's sidecar there."""
+    for old in dest.glob("mla_serve-*.whl"):
+        old.unlink()
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), str(ROOT)],
         check=True,
+        env={**os.environ, "MLA_SERVE_BUILD_LANE": "require"},
     )
     return next(dest.glob("mla_serve-*.whl"))
 

@@ -60,6 +60,14 @@ case "$verb" in
   *) echo "usage: run.sh unpack DIR... | run.sh serve release:layout:state... | run.sh bench [ARGS]" >&2; exit 2 ;;
 esac
 [ -d "$STORE/common" ] || { echo "no $STORE/common: run 'run.sh unpack build/e2e/common' first" >&2; exit 2; }
+# The sidecar runs from this checkout; its C lane (built into the carried mla-serve wheel by
+# `make e2e-pack`) goes beside it, as the image installs it.
+LANE=mla_serve/sidecar/_lane.abi3.so
+if [ -f "$STORE/common/site/$LANE" ]; then
+  cp "$STORE/common/site/$LANE" "$LANE" || exit 2
+else
+  echo "run.sh: the carried mla-serve wheel has no C lane: the sidecar reads in Python" >&2
+fi
 RESULTS=tests/e2e/results/run
 [ "$verb" = bench ] && RESULTS=tests/e2e/results/bench
 [ -n "${OUT:-}" ] && RESULTS="${TMPDIR:-/tmp}/mla-serve-e2e-$verb"

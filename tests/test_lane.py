@@ -1,0 +1,375 @@
+"""The C lane (mla_serve/sidecar/_lane.c) against the Python path, read for read (issue 19).
+
+Each case runs the same upstream bytes twice through the code a chat request takes without
+ASGI (fast.FastExchange on an upstream.Connection, no sockets): once with the lane (the
+connection's `data_received` is a `_lane.Lane`), once without it (`upstream.LANE` off, every
+read in Python, as before the lane existed). The client's bytes (head and body, dechunked),
+the completion (every choice's visibility and finish), the loop guard (tokens, detector
+text, loop, stop), every metric the sidecar exports and the response's end must be equal,
+and the lane must have done reads of its own where the stream has token chunks. The
+streams: every stream vLLM 0.28.0, 0.29.0 and 0.33.0 sent on an H200 (the recordings), cut
+into reads four ways, and vLLM-shaped streams made here for what the recordings lack:
+escapes, non-ASCII, whitespace, channel switches, tails the token match must refuse, odd
+chunk framing, loops under `observe` and `stop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mla_serve.sidecar import fast, proxy, upstream
+from mla_serve.sidecar import settings as settings_
+from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
+from mla_serve.sidecar.runaways import Ledger
+from mla_serve.sidecar.settings import Settings, SettingsError
+from tests import loop_corpus
+from tests.bench import bench_hot_path
+from tests.bench.bench_hot_path import frame
+from tests.hostile.wire import dechunk
+
+PATH = "/v1/chat/completions"
+URL = "http://127.0.0.1:8000"
+HEAD = (
+    b"HTTP/1.1 200 OK\r\ndate: Tue, 01 Dec 2026 00:00:00 GMT\r\nserver: uvicorn\r\n"
+    b"content-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def test_the_lane_is_built() -> None:
+    """`make test` builds it (MLA_SERVE_BUILD_LANE=require): the parity below must not pass
+    by running the Python path twice."""
+    assert upstream._lane is not None, "mla_serve/sidecar/_lane.c is not built: make test builds it"
+    assert upstream.LANE
+
+
+def run(
+    monkeypatch: pytest.MonkeyPatch, lane: bool, reads: list[bytes], action: str = "observe"
+) -> dict[str, Any]:
+    """One request and vLLM's `reads` through the fast path; what everyone could observe."""
+    monkeypatch.setattr(upstream, "LANE", lane)
+
+    async def go() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        settings = Settings(vllm_url=URL, loop_action=action)
+        registry = CollectorRegistry()
+        ledger = Ledger(registry, "lane_")
+        guard = LoopGuard(settings.loop_policy(), registry)
+        proxy_settings = proxy.ProxySettings(upstream=URL, upstream_client="direct")
+        the_proxy = proxy.Proxy(proxy_settings, ledger, guard, registry)
+        pool = the_proxy.pool = upstream.Pool(URL, proxy_settings.connect_timeout)
+        conn = upstream.Connection(pool)
+        conn.connection_made(bench_hot_path.VllmTransport())  # type: ignore[arg-type]
+        assert (conn.lane is not None) is lane
+        pool.idle.append((conn, loop.time()))
+        body = json.dumps({
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 4000, "stream_options": {"include_usage": True},
+        }).encode()  # fmt: skip
+        protocol = bench_hot_path.Protocol(loop, len(body))
+        exchange = fast.FastExchange(fast.FastPath(the_proxy, None), protocol, PATH, True)
+        protocol.fast = exchange
+        exchange.request_body(body)
+        exchange.request_done()
+        assert exchange.conn is conn, "the request went out on the pooled connection"
+        taken = upstream._lane.taken() if upstream._lane is not None else 0
+        for data in reads:
+            if not conn.closed:
+                conn.data_received(data)
+        if not conn.closed:
+            conn.connection_lost(None)
+        taken = (upstream._lane.taken() if upstream._lane is not None else 0) - taken
+        wire = b"".join(protocol.transport.out)
+        head, _, rest = wire.partition(b"\r\n\r\n")
+        return {
+            "head": head,
+            "body": dechunk(rest),
+            "completed": protocol.completed,
+            "ended": exchange.ended,
+            "choices": {i: vars(c) for i, c in exchange.completion.choices.items()},
+            "guard": guard_state(exchange.request.guard),
+            "metrics": sorted(
+                (s.name, tuple(sorted(s.labels.items())), s.value)
+                for metric in registry.collect()
+                for s in metric.samples
+                if not s.name.endswith("_created")
+            ),
+            "taken": taken,
+        }
+
+    return asyncio.run(go())
+
+
+def guard_state(guard: ResponseGuard | None) -> dict[str, Any] | None:
+    if guard is None:
+        return None
+    watches = {
+        index: (watch.tokens, watch.channel, watch.finished, repr(watch.loop),
+                watch.detector.tail + "".join(watch.detector.pieces), watch.detector.fresh)
+        for index, watch in guard.watches.items()
+    }  # fmt: skip
+    return {"looping": guard.looping, "stopped": guard.stopped, "watches": watches}
+
+
+def same(monkeypatch: pytest.MonkeyPatch, reads: list[bytes], action: str = "observe") -> int:
+    """Run both ways, assert they agree; the reads the lane did."""
+    python = run(monkeypatch, False, reads, action)
+    lane = run(monkeypatch, True, reads, action)
+    taken = lane.pop("taken")
+    assert python.pop("taken") == 0
+    assert lane == python
+    return int(taken)
+
+
+def cuts(events: list[bytes], how: str) -> list[bytes]:
+    """vLLM's response as reads: head alone then a chunk a read; the head with the first
+    chunk; two chunks a read; or cut every 97 bytes, across size lines and events."""
+    frames = [frame(event) for event in events] + [b"0\r\n\r\n"]
+    if how == "each":
+        return [HEAD, *frames]
+    if how == "head-with-first":
+        return [HEAD + frames[0], *frames[1:]]
+    if how == "pairs":
+        return [HEAD] + [b"".join(frames[i : i + 2]) for i in range(0, len(frames), 2)]
+    data = HEAD + b"".join(frames)
+    return [data[i : i + 97] for i in range(0, len(data), 97)]
+
+
+RECORDED = bench_hot_path.load("tests/e2e/results/*/*/recorded_streams.json")
+
+
+def test_the_recordings_are_there() -> None:
+    assert len(RECORDED) >= 40  # three releases' streams, chat and completions
+
+
+@pytest.mark.parametrize("how", ["each", "head-with-first", "pairs", "cut"])
+def test_every_recorded_vllm_stream_the_same_either_way(monkeypatch, how) -> None:
+    taken = 0
+    for stream in RECORDED:
+        taken += same(monkeypatch, cuts(stream["reads"], how))
+    if how != "cut":  # cut reads split chunks: those go to Python, as they must
+        assert taken > 1000, f"the lane did only {taken} reads"
+
+
+# -- streams made here, in vLLM 0.33.0's shape ---------------------------------------------
+ID = "chatcmpl-0123456789abcdef"
+
+
+def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+              "token_ids": None}  # fmt: skip
+    chunk = {"id": ID, "object": "chat.completion.chunk", "created": 1796055444,
+             "model": "tiny", "choices": [choice], **extra}  # fmt: skip
+    return b"data: %s\n\n" % json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def vllm_stream(tokens: list[tuple[str, str]], finish: str = "length") -> list[bytes]:
+    """The role chunk, one chunk per (channel, text), the finish, usage, [DONE]."""
+    usage = {"prompt_tokens": 5, "total_tokens": 5 + len(tokens), "completion_tokens": len(tokens)}
+    return [
+        event({"role": "assistant", "content": ""}),
+        *(event({channel: text}) for channel, text in tokens),
+        event({}, finish),
+        b"data: " + json.dumps({"id": ID, "object": "chat.completion.chunk",
+                                "created": 1796055444, "model": "tiny", "choices": [],
+                                "usage": usage}, separators=(",", ":")).encode() + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]  # fmt: skip
+
+
+def thinking(n: int) -> list[tuple[str, str]]:
+    return [("reasoning", f"step{i} ") for i in range(n)]
+
+
+ODD_TEXTS = {
+    "escapes": ["line\n", "tab\t", 'say "hi"', "back\\slash", "\x01ctl", "/"],
+    "non-ascii": ["é", "日本語", "😀", "ß" * 40, "\u2028"],
+    "whitespace": [" ", "\n\n", "\t", "", " \u3000 "],
+    "late-answer": ["   ", "", "x"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ODD_TEXTS))
+@pytest.mark.parametrize("how", ["each", "pairs"])
+def test_odd_text_the_same_either_way(monkeypatch, name, how) -> None:
+    tokens = thinking(12) + [("content", text) for text in ODD_TEXTS[name] * 3]
+    assert same(monkeypatch, cuts(vllm_stream(tokens), how)) > 0
+
+
+def test_channel_switches_the_same_either_way(monkeypatch) -> None:
+    tokens = []
+    for i in range(30):
+        tokens += [("reasoning", f"r{i} ")] + ([("content", f"c{i} ")] if i % 3 else [])
+    assert same(monkeypatch, cuts(vllm_stream(tokens), "each")) > 0
+
+
+def raw_token(string: bytes, channel: bytes = b"content", tail: bytes | None = None) -> bytes:
+    """A token chunk with the string's bytes as given (escapes, invalid UTF-8)."""
+    head = event({"content": "@"}).split(b'content":"@"')[0]
+    if tail is None:
+        tail = b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+    return head + channel + b'":"' + string + tail
+
+
+TAILS = {
+    "no token_ids": b'"},"logprobs":null,"finish_reason":null}]}\n\n',
+    "kv_transfer_params": (
+        b'"},"logprobs":null,"finish_reason":null}],"kv_transfer_params":null}\n\n'
+    ),
+    "stop_reason": b'"},"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n',
+    "no event end": b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n',
+    "trailing bytes": b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\nx',
+    "CRLF end": b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\r\n\r\n',
+    "second event": b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+    + event({"content": "more"}),
+}
+STRINGS = {
+    "escaped unicode": rb"caf\u00e9",
+    "surrogate pair": rb"\ud83d\ude00",
+    "lone surrogate": rb"\ud800",
+    "bad escape": rb"\x41",
+    "short unicode escape": rb"\u00e",
+    "invalid utf-8": b"\xff\xfe",
+    "encoded surrogate": b"\xed\xa0\x80",
+    "raw control": b"a\x1fb",
+    "raw DEL": b"a\x7fb",
+    "escaped quote at end": b'\\"',
+    "only backslash": b"\\",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAILS))
+def test_tails_the_match_refuses_or_takes_the_same_either_way(monkeypatch, name) -> None:
+    events = vllm_stream(thinking(10))
+    events[5:5] = [raw_token(b"odd", tail=TAILS[name])] * 2
+    for how in ("each", "pairs"):
+        same(monkeypatch, cuts(events, how))
+
+
+@pytest.mark.parametrize("name", sorted(STRINGS))
+def test_strings_the_same_either_way(monkeypatch, name) -> None:
+    events = vllm_stream(thinking(10))
+    events[5:5] = [raw_token(STRINGS[name]), raw_token(STRINGS[name], b"reasoning")]
+    for how in ("each", "pairs"):
+        same(monkeypatch, cuts(events, how))
+
+
+FRAMINGS = {
+    "uppercase size": lambda e: b"%X\r\n%b\r\n" % (len(e), e),
+    "leading zero": lambda e: b"0%x\r\n%b\r\n" % (len(e), e),
+    "extension": lambda e: b"%x;x=1\r\n%b\r\n" % (len(e), e),
+    "two chunks for one event": lambda e: frame(e[:9]) + frame(e[9:]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMINGS))
+def test_chunk_framings_the_same_either_way(monkeypatch, name) -> None:
+    """Chunks the lane does not take (the Python path's parser does): nothing differs."""
+    events = vllm_stream(thinking(20))
+    reads = [HEAD] + [FRAMINGS[name](e) if 3 <= i < 9 else frame(e) for i, e in enumerate(events)]
+    assert same(monkeypatch, [*reads, b"0\r\n\r\n"]) > 0
+
+
+def loop_tokens(name: str) -> list[tuple[str, str]]:
+    channel, text = loop_corpus.LOOPS[name]
+    return [(channel, piece) for piece in loop_corpus.stream(text)]
+
+
+@pytest.mark.parametrize("action", ["observe", "stop"])
+@pytest.mark.parametrize("name", sorted(loop_corpus.LOOPS))
+def test_loops_caught_at_the_same_token_either_way(monkeypatch, name, action) -> None:
+    """The guard checks every 32 characters, on the Python side; a stop ends the stream
+    at the same token with the same ending, whatever the lane took before it."""
+    tokens = loop_tokens(name)
+    for how in ("each", "pairs"):
+        reads = cuts(vllm_stream(tokens), how)
+        assert same(monkeypatch, reads, action) > 0
+        result = run(monkeypatch, True, reads, action)
+        assert result["guard"]["looping"] == 1
+        assert result["guard"]["stopped"] is (action == "stop")
+
+
+@pytest.mark.parametrize("name", sorted(loop_corpus.LEGIT))
+def test_legitimate_repetition_the_same_either_way(monkeypatch, name) -> None:
+    channel, text = loop_corpus.LEGIT[name]
+    tokens = [(channel, piece) for piece in loop_corpus.stream(text)][:600]
+    reads = cuts(vllm_stream(tokens), "each")
+    assert same(monkeypatch, reads, "stop") > 0
+    assert run(monkeypatch, True, reads, "stop")["guard"]["looping"] == 0
+
+
+def test_the_lane_stops_at_a_paused_client(monkeypatch) -> None:
+    """Bytes waiting for the client (its transport paused): the lane leaves the reads to the
+    Python path, which queues them in order."""
+    monkeypatch.setattr(bench_hot_path.Flow, "write_paused", True)
+    reads = cuts(vllm_stream(thinking(30)), "each")
+    assert same(monkeypatch, reads) == 0
+
+
+def test_frames() -> None:
+    """What the Python path's arming relies on: whole canonical chunks, exactly."""
+    lane = upstream._lane
+    assert lane is not None
+    assert lane.frames(b"5\r\nhello\r\n") == [5]
+    assert lane.frames(b"a\r\n0123456789\r\n2\r\nab\r\n") == [10, 2]
+    for data in (b"5\r\nhello\r\nx", b"5\r\nhell\r\n", b"05\r\nhello\r\n",
+                 b"A\r\n0123456789\r\n", b"0\r\n\r\n", b"5\r\nhello\r\n0\r\n\r\n",
+                 b"5;x\r\nhello\r\n", b"5\r\nhello", b"", b"\r\n",
+                 b"ffffffffffffffff\r\nx\r\n"):  # fmt: skip
+        assert lane.frames(data) is None, data
+
+
+# -- the sidecar as it runs, on real sockets ------------------------------------------------
+def chat(url: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="glm-5.3-flash", messages=[{"role": "user", "content": "hi"}], stream=True,
+        max_tokens=200,
+    )  # fmt: skip
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+@pytest.mark.parametrize("lane", ["auto", "off"])
+def test_the_sidecar_reads_token_chunks_in_c_unless_told_not_to(vllm, sidecar, lane) -> None:
+    """`mla-serve sidecar` on its own protocol in front of the stand-in (tokens paced, so each
+    is a read of its own): the official openai client gets the answer either way; /status
+    says whether the lane is on and counts the reads it did."""
+    vllm.behaviour.token_delay = 0.002
+    vllm.behaviour.answer_tokens = 60
+    url = sidecar(lane=lane)
+    before = httpx.get(f"{url}/status").json()["pass_through"]
+    assert before["upstream_client"] == "direct"
+    assert before["lane"] is (lane == "auto")
+    assert chat(url) == "".join(f"word{i} " for i in range(60))
+    after = httpx.get(f"{url}/status").json()["pass_through"]
+    if lane == "auto":
+        assert after["lane_reads"] - before["lane_reads"] >= 50
+    else:
+        assert after["lane_reads"] == 0
+
+
+def settings_from(argv: list[str], environ: dict[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser()
+    settings_.add_arguments(parser)
+    return settings_.from_arguments(parser.parse_args(["--vllm-url", URL, *argv]), environ or {})
+
+
+def test_the_lane_setting_is_checked(monkeypatch) -> None:
+    with pytest.raises(SettingsError, match="--lane must be one of auto, on, off, got 'yes'"):
+        settings_from(["--lane", "yes"])
+    with pytest.raises(SettingsError, match="--lane must be one of auto, on, off, got '0'"):
+        settings_from([], {"MLA_SERVE_LANE": "0"})
+    assert settings_.lane(settings_from(["--lane", "on"]))
+    assert settings_.lane(settings_from([]))
+    assert not settings_.lane(settings_from([], {"MLA_SERVE_LANE": "off"}))
+    monkeypatch.setattr(upstream, "LANE_BUILT", False)  # an install without a C compiler
+    assert not settings_.lane(settings_from([]))
+    with pytest.raises(SettingsError, match=r"--lane on: the C lane .* is not built"):
+        settings_from(["--lane", "on"])
