@@ -117,7 +117,7 @@ e2e-bench:  ## end to end: on a CUDA machine, the sidecar's cost on a live vLLM 
 	bash tests/e2e/run.sh bench $(E2E_BENCH_ARGS)
 
 clean:  ## remove build outputs (keeps the download cache)
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(LANE)
 
 # --- image ---
 # The container image (docker/, README "Container image"). `image` builds it on

@@ -20,6 +20,11 @@ def test_the_hot_path_bench_measures_real_streams(tmp_path: Path) -> None:
     assert result["token_reads"] > 0.8 * result["reads"]  # vLLM's token chunks take the match
     for key in ("us_per_request_request_side", "us_per_token_chunk"):
         assert 0 < result[key]["best"] <= result[key]["max"]
+    # a token chunk's whole read both ways: Python, and the C lane (built for the tests)
+    for way in ("python", "lane"):
+        figures = result["us_per_token_read"][way]
+        assert 0 < figures["best"] <= figures["max"]
+    assert result["lane_took"] > 0.9  # vLLM's token chunks, a read each: nearly all in C
 
 
 def test_the_hot_path_bench_fails_on_changed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -287,8 +287,12 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
 
     per_token = [timed(token_pass, [None] * scale) / (tokens * scale) for _ in range(repeats)]
     per_read = {"python": per_token_read(hot, streams, False, repeats, scale)}
+    if per_read["python"][1]:
+        problems.append("the Python path's token reads went through the lane")
     if upstream._lane is not None:
         per_read["lane"] = per_token_read(hot, streams, True, repeats, scale)
+        if per_read["lane"][1] < 0.5:
+            problems.append(f"the lane took only {per_read['lane'][1]:.0%} of the token reads")
     token_us = min(per_token)
     response_us = [t / n for t in passes["response"]]
     rest = [r - token_us * tokens / len(streams) for r in response_us]
@@ -321,8 +325,10 @@ def per_token_read(
     """Microseconds per read of one token chunk through the connection (each stream's
     response read first, the Python path arming the lane as it does), and the share of
     those reads the lane took."""
-    saved = upstream.LANE
-    upstream.LANE = lane
+    pool = hot.proxy.pool
+    assert pool is not None
+    saved = pool.lane
+    pool.lane = lane and upstream._lane is not None
     try:
         setups = []
         for stream in streams:
@@ -350,7 +356,7 @@ def per_token_read(
         taken = (upstream._lane.taken() if upstream._lane is not None else 0) - taken
         return times, round(taken / (count * repeats), 4)
     finally:
-        upstream.LANE = saved
+        pool.lane = saved
 
 
 def main(argv: list[str] | None = None) -> int:
