@@ -18,6 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +31,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+import hatch_build
 from mla_serve.sidecar import fast, proxy, upstream
 from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
@@ -51,7 +58,11 @@ def test_the_lane_is_built() -> None:
 
 
 def run(
-    monkeypatch: pytest.MonkeyPatch, lane: bool, reads: list[bytes], action: str = "observe"
+    monkeypatch: pytest.MonkeyPatch,
+    lane: bool,
+    reads: list[bytes],
+    action: str = "observe",
+    gone_at: int | None = None,
 ) -> dict[str, Any]:
     """One request and vLLM's `reads` through the fast path; what everyone could observe."""
     monkeypatch.setattr(upstream, "LANE", lane)
@@ -77,6 +88,15 @@ def run(
         exchange = fast.FastExchange(fast.FastPath(the_proxy, None), protocol, PATH, True)
         protocol.fast = exchange
         exchange.request_body(body)
+        if gone_at is not None:  # the client goes away as its `gone_at`th write goes out
+            transport, keep = protocol.transport, protocol.transport.write
+
+            def write(data: bytes) -> None:
+                keep(data)
+                if len(transport.out) == gone_at:
+                    exchange.client_gone()
+
+            transport.write = write  # type: ignore[method-assign]
         exchange.request_done()
         assert exchange.conn is conn, "the request went out on the pooled connection"
         taken = upstream._lane.taken() if upstream._lane is not None else 0
@@ -118,10 +138,15 @@ def guard_state(guard: ResponseGuard | None) -> dict[str, Any] | None:
     return {"looping": guard.looping, "stopped": guard.stopped, "watches": watches}
 
 
-def same(monkeypatch: pytest.MonkeyPatch, reads: list[bytes], action: str = "observe") -> int:
+def same(
+    monkeypatch: pytest.MonkeyPatch,
+    reads: list[bytes],
+    action: str = "observe",
+    gone_at: int | None = None,
+) -> int:
     """Run both ways, assert they agree; the reads the lane did."""
-    python = run(monkeypatch, False, reads, action)
-    lane = run(monkeypatch, True, reads, action)
+    python = run(monkeypatch, False, reads, action, gone_at)
+    lane = run(monkeypatch, True, reads, action, gone_at)
     taken = lane.pop("taken")
     assert python.pop("taken") == 0
     assert lane == python
@@ -313,6 +338,18 @@ def test_the_lane_stops_at_a_paused_client(monkeypatch) -> None:
     assert same(monkeypatch, reads) == 0
 
 
+@pytest.mark.parametrize("gone_at", [3, 10])
+def test_a_client_gone_during_a_write_the_same_either_way(monkeypatch, gone_at) -> None:
+    """The client's transport ends the exchange inside a write the lane makes (vLLM's
+    connection dropped, the lane disarmed under it): the read finishes on what it holds, and
+    both ways leave the same state."""
+    reads = cuts(vllm_stream(thinking(30)), "each")
+    taken = same(monkeypatch, reads, gone_at=gone_at)
+    # the head with the role chunk and the first token chunk went through Python (which armed
+    # the lane); the lane made every write after them, the last one the client went in
+    assert taken == gone_at - 2
+
+
 def test_frames() -> None:
     """What the Python path's arming relies on: whole canonical chunks, exactly."""
     lane = upstream._lane
@@ -373,3 +410,32 @@ def test_the_lane_setting_is_checked(monkeypatch) -> None:
     assert not settings_.lane(settings_from([]))
     with pytest.raises(SettingsError, match=r"--lane on: the C lane .* is not built"):
         settings_from(["--lane", "on"])
+
+
+# -- the build ------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_lane_compiles_without_a_warning(tmp_path: Path) -> None:
+    hatch_build.compile_lane(ROOT, tmp_path / "_lane.abi3.so", ("-Wextra", "-Werror"))
+
+
+@pytest.mark.parametrize("mode", ["require", "off"])
+def test_the_wheel_carries_the_lane_unless_told_not_to(tmp_path: Path, mode: str) -> None:
+    """`pip wheel .` (the image's build, `make e2e-pack`'s): with the lane, a wheel for this
+    platform on CPython's stable ABI; with MLA_SERVE_BUILD_LANE=off, a pure-Python one."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True, env={**os.environ, "MLA_SERVE_BUILD_LANE": mode},
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("mla_serve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    if mode == "require":
+        assert wheel.name.endswith(f"-cp311-abi3-{platform}.whl")
+        assert "mla_serve/sidecar/_lane.abi3.so" in names
+    else:
+        assert wheel.name.endswith("-py3-none-any.whl")
+        assert not [name for name in names if name.endswith(".so")]
+    assert "mla_serve/sidecar/_lane.pyi" in names

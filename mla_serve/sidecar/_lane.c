@@ -28,20 +28,28 @@
 
 #define MAX_FRAMES 64
 
+/* What an armed lane works with: one stream's objects. */
 typedef struct {
-    PyObject_HEAD
-    PyObject *fallback;   /* the connection's Python data_received */
-    int armed;
     PyObject *conn;       /* upstream.Connection */
     PyObject *exchange;   /* fast.FastExchange */
     PyObject *head;       /* bytes every token chunk of the stream starts with */
     PyObject *choice;     /* runaways.Choice of choice 0 */
     PyObject *guard;      /* loops.ResponseGuard or None */
     PyObject *watch;      /* loops._Watch of choice 0, or None */
-    Py_ssize_t check_every;
     PyObject *write;      /* the client's transport.write */
     PyObject *flow;       /* the client's flow control (write_paused) */
     PyObject *clock;      /* the loop's time() */
+    Py_ssize_t check_every;
+} Armed;
+
+#define ARMED_OBJECTS(a) {(a)->conn, (a)->exchange, (a)->head, (a)->choice, (a)->guard, \
+                          (a)->watch, (a)->write, (a)->flow, (a)->clock}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fallback;   /* the connection's Python data_received */
+    int armed;
+    Armed a;
 } Lane;
 
 typedef struct {
@@ -208,21 +216,21 @@ static int truthy_attr(PyObject *obj, PyObject *name)
 static void lane_disarm(Lane *self)
 {
     self->armed = 0;
-    Py_CLEAR(self->conn);
-    Py_CLEAR(self->exchange);
-    Py_CLEAR(self->head);
-    Py_CLEAR(self->choice);
-    Py_CLEAR(self->guard);
-    Py_CLEAR(self->watch);
-    Py_CLEAR(self->write);
-    Py_CLEAR(self->flow);
-    Py_CLEAR(self->clock);
+    Py_CLEAR(self->a.conn);
+    Py_CLEAR(self->a.exchange);
+    Py_CLEAR(self->a.head);
+    Py_CLEAR(self->a.choice);
+    Py_CLEAR(self->a.guard);
+    Py_CLEAR(self->a.watch);
+    Py_CLEAR(self->a.write);
+    Py_CLEAR(self->a.flow);
+    Py_CLEAR(self->a.clock);
 }
 
 /* Whether the client's side takes a direct write now, as FastExchange.fed asks: 1, 0, -1. */
-static int writable(Lane *self)
+static int writable(Armed *a)
 {
-    PyObject *ex = self->exchange;
+    PyObject *ex = a->exchange;
     int r;
     if ((r = truthy_attr(ex, s_ended)) != 0 || (r = truthy_attr(ex, s_finished)) != 0)
         return r < 0 ? -1 : 0;
@@ -233,16 +241,16 @@ static int writable(Lane *self)
     Py_DECREF(head_out);
     if (!r)
         return 0;
-    if ((r = truthy_attr(ex, s_pending)) != 0 || (r = truthy_attr(self->flow, s_write_paused)) != 0)
+    if ((r = truthy_attr(ex, s_pending)) != 0 || (r = truthy_attr(a->flow, s_write_paused)) != 0)
         return r < 0 ? -1 : 0;
     return 1;
 }
 
 /* ResponseGuard.add_token's effect for a token the detector takes without a check: 1 done,
  * 0 the guard itself must take it, -1 error. */
-static int guard_token(Lane *self, Token *t)
+static int guard_token(Armed *a, Token *t)
 {
-    PyObject *watch = self->watch, *loop, *value;
+    PyObject *watch = a->watch, *loop, *value;
     if ((loop = PyObject_GetAttr(watch, s_loop)) == NULL)
         return -1;
     int watched = loop == Py_None;
@@ -266,7 +274,7 @@ static int guard_token(Lane *self, Token *t)
         Py_CLEAR(fresh);
         if (now == -1 && PyErr_Occurred())
             goto fail;
-        if (now + length >= self->check_every) {  /* the detector checks now: the guard's own */
+        if (now + length >= a->check_every) {  /* the detector checks now: the guard's own */
             Py_DECREF(detector);
             return 0;
         }
@@ -305,12 +313,12 @@ fail:
 
 /* Whether each token must go to the guard itself (a confirmed loop under action stop: the
  * stop decision is taken on every token there). */
-static int guard_each(Lane *self)
+static int guard_each(Armed *a)
 {
-    int r = truthy_attr(self->guard, s_looping);
+    int r = truthy_attr(a->guard, s_looping);
     if (r <= 0)
         return r;
-    PyObject *action = PyObject_GetAttr(self->guard, s_action);
+    PyObject *action = PyObject_GetAttr(a->guard, s_action);
     if (action == NULL)
         return -1;
     r = PyObject_RichCompareBool(action, s_stop, Py_EQ);
@@ -319,18 +327,35 @@ static int guard_each(Lane *self)
 }
 
 /* An armed read: 1 done here, 0 for the Python path (nothing was changed), -1 error. */
+static int take_armed(Lane *self, Armed *a, PyObject *data);
+
 static int take(Lane *self, PyObject *data)
+{
+    /* The Python code this calls (the guard, the transport's write) may disarm the lane,
+     * which drops its references: the read works on its own copy, held for the read. */
+    Armed a = self->a;
+    PyObject *held[] = ARMED_OBJECTS(&a);
+    const int n = (int)(sizeof held / sizeof held[0]);
+    for (int i = 0; i < n; i++)
+        Py_INCREF(held[i]);
+    int result = take_armed(self, &a, data);
+    for (int i = 0; i < n; i++)
+        Py_DECREF(held[i]);
+    return result;
+}
+
+static int take_armed(Lane *self, Armed *a, PyObject *data)
 {
     char *p;
     Py_ssize_t n;
     if (PyBytes_AsStringAndSize(data, &p, &n) < 0)
         return -1;
-    int r = writable(self);
+    int r = writable(a);
     if (r <= 0)
         return r;
     char *head;
     Py_ssize_t hlen;
-    if (PyBytes_AsStringAndSize(self->head, &head, &hlen) < 0)
+    if (PyBytes_AsStringAndSize(a->head, &head, &hlen) < 0)
         return -1;
     Token tokens[MAX_FRAMES];
     int count = 0, result = 0;
@@ -354,20 +379,20 @@ static int take(Lane *self, PyObject *data)
     if (count == 0)
         goto done;
     /* Connection.data_received's own bookkeeping, then each token as the Python path does it */
-    PyObject *now = PyObject_CallFunctionObjArgs(self->clock, NULL);
+    PyObject *now = PyObject_CallFunctionObjArgs(a->clock, NULL);
     if (now == NULL)
         goto error;
-    r = PyObject_SetAttr(self->conn, s_last_read, now);
+    r = PyObject_SetAttr(a->conn, s_last_read, now);
     Py_DECREF(now);
-    if (r < 0 || PyObject_SetAttr(self->conn, s_got_bytes, Py_True) < 0)
+    if (r < 0 || PyObject_SetAttr(a->conn, s_got_bytes, Py_True) < 0)
         goto error;
-    int each = self->guard != Py_None ? guard_each(self) : 0;
+    int each = a->guard != Py_None ? guard_each(a) : 0;
     if (each < 0)
         goto error;
     for (int i = 0; i < count; i++) {
         Token *t = &tokens[i];
         if (t->content) {
-            r = truthy_attr(self->choice, s_visible);
+            r = truthy_attr(a->choice, s_visible);
             if (r < 0)
                 goto error;
             if (!r && PyUnicode_GetLength(t->text) > 0) {
@@ -376,20 +401,20 @@ static int take(Lane *self, PyObject *data)
                     goto error;
                 r = PyObject_IsTrue(space);
                 Py_DECREF(space);
-                if (r < 0 || (!r && PyObject_SetAttr(self->choice, s_visible, Py_True) < 0))
+                if (r < 0 || (!r && PyObject_SetAttr(a->choice, s_visible, Py_True) < 0))
                     goto error;
             }
         }
-        if (self->guard == Py_None)
+        if (a->guard == Py_None)
             continue;
-        r = each ? 0 : guard_token(self, t);
+        r = each ? 0 : guard_token(a, t);
         if (r < 0)
             goto error;
         if (r)
             continue;
         PyObject *index = PyLong_FromLong(0);
         PyObject *stopped = index ? PyObject_CallMethodObjArgs(
-            self->guard, s_add_token, index, t->content ? s_content : s_reasoning, t->text, NULL) : NULL;
+            a->guard, s_add_token, index, t->content ? s_content : s_reasoning, t->text, NULL) : NULL;
         Py_XDECREF(index);
         if (stopped == NULL)
             goto error;
@@ -398,7 +423,7 @@ static int take(Lane *self, PyObject *data)
         if (r < 0)
             goto error;
         if (r) {  /* the guard stops the stream at this token: Exchange.body's _emit, _finish */
-            PyObject *ex = self->exchange, *batch = PyObject_GetAttr(ex, s_batch);
+            PyObject *ex = a->exchange, *batch = PyObject_GetAttr(ex, s_batch);
             if (batch == NULL)
                 goto error;
             for (int k = 0; k <= i; k++) {
@@ -419,10 +444,10 @@ static int take(Lane *self, PyObject *data)
             result = done == NULL ? -1 : 1;
             goto done;
         }
-        if (!each && (each = guard_each(self)) < 0)
+        if (!each && (each = guard_each(a)) < 0)
             goto error;
     }
-    PyObject *written = PyObject_CallFunctionObjArgs(self->write, data, NULL);
+    PyObject *written = PyObject_CallFunctionObjArgs(a->write, data, NULL);
     Py_XDECREF(written);
     result = written == NULL ? -1 : 1;
     if (each && result == 1)
@@ -458,7 +483,11 @@ static PyObject *Lane_call(PyObject *op, PyObject *args, PyObject *kwargs)
         }
     }
     lane_disarm(self);
-    return PyObject_CallFunctionObjArgs(self->fallback, data, NULL);
+    PyObject *fallback = self->fallback;
+    Py_INCREF(fallback);
+    PyObject *result = PyObject_CallFunctionObjArgs(fallback, data, NULL);
+    Py_DECREF(fallback);
+    return result;
 }
 
 static PyObject *Lane_arm(PyObject *op, PyObject *args)
@@ -476,27 +505,27 @@ static PyObject *Lane_arm(PyObject *op, PyObject *args)
     lane_disarm(self);
     if ((transport = PyObject_GetAttr(exchange, s_transport)) == NULL)
         return NULL;
-    self->write = PyObject_GetAttr(transport, s_write);
+    self->a.write = PyObject_GetAttr(transport, s_write);
     Py_DECREF(transport);
-    if (self->write == NULL
-        || (self->flow = PyObject_GetAttr(exchange, s_flow)) == NULL
-        || (self->clock = PyObject_GetAttr(conn, s_clock)) == NULL) {
+    if (self->a.write == NULL
+        || (self->a.flow = PyObject_GetAttr(exchange, s_flow)) == NULL
+        || (self->a.clock = PyObject_GetAttr(conn, s_clock)) == NULL) {
         lane_disarm(self);
         return NULL;
     }
     Py_INCREF(conn);
-    self->conn = conn;
+    self->a.conn = conn;
     Py_INCREF(exchange);
-    self->exchange = exchange;
+    self->a.exchange = exchange;
     Py_INCREF(head);
-    self->head = head;
+    self->a.head = head;
     Py_INCREF(choice);
-    self->choice = choice;
+    self->a.choice = choice;
     Py_INCREF(guard);
-    self->guard = guard;
+    self->a.guard = guard;
     Py_INCREF(watch);
-    self->watch = watch;
-    self->check_every = check_every;
+    self->a.watch = watch;
+    self->a.check_every = check_every;
     self->armed = 1;
     Py_RETURN_NONE;
 }
@@ -536,15 +565,15 @@ static int Lane_traverse(PyObject *op, visitproc visit, void *arg)
     Lane *self = (Lane *)op;
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(self->fallback);
-    Py_VISIT(self->conn);
-    Py_VISIT(self->exchange);
-    Py_VISIT(self->head);
-    Py_VISIT(self->choice);
-    Py_VISIT(self->guard);
-    Py_VISIT(self->watch);
-    Py_VISIT(self->write);
-    Py_VISIT(self->flow);
-    Py_VISIT(self->clock);
+    Py_VISIT(self->a.conn);
+    Py_VISIT(self->a.exchange);
+    Py_VISIT(self->a.head);
+    Py_VISIT(self->a.choice);
+    Py_VISIT(self->a.guard);
+    Py_VISIT(self->a.watch);
+    Py_VISIT(self->a.write);
+    Py_VISIT(self->a.flow);
+    Py_VISIT(self->a.clock);
     return 0;
 }
 
