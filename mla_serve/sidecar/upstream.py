@@ -7,7 +7,7 @@ once, then every piece of the body as the parser frees it from the transfer codi
 the end, or why it broke off. No stream reader, no task switch per read: whoever consumes
 the body (proxy.Exchange) does it inside `data_received`. Where the lane is built
 (`_lane.c`, a C extension; the image always has it), `data_received` is a `_lane.Lane`: once
-the consumer arms it (fast.FastExchange.arm), a read of token chunks only is done in C, with
+the consumer arms it (fast.FastExchange.may_arm), a read of token chunks only is done in C, with
 the same effects; every other read comes to the Python method here.
 
 Connections are kept for reuse after a complete response that allows it, for at most
