@@ -4,7 +4,7 @@
  * upstream.Connection sets a `Lane` as its `data_received`. Unarmed, the lane hands every read
  * to the connection's Python method (`fallback`), which feeds httptools and calls the
  * exchange: proxy.Exchange.body / fast.FastExchange.fed. After a Python read that left vLLM's
- * parser between two chunks, FastExchange.arm arms it for that stream. Armed, a read that is
+ * parser between two chunks, FastExchange.may_arm arms it for that stream. Armed, a read that is
  * one or more whole chunks of HTTP/1.1 chunked coding (canonical: lowercase hex size, no
  * extension), each one token chunk of the stream, is done here with exactly the effects of
  * the Python path, and written to the client as vLLM framed it:
@@ -62,8 +62,8 @@ static PyObject *s_ended, *s_finished, *s_head_out, *s_pending, *s_write_paused,
     *s_finish, *s_got_bytes, *s_last_read, *s_visible, *s_loop, *s_channel, *s_tokens,
     *s_detector, *s_fresh, *s_pieces, *s_add_token, *s_looping, *s_action, *s_stop,
     *s_content, *s_reasoning, *s_isspace, *s_transport, *s_flow, *s_write, *s_clock, *s_quote;
-static PyObject *scanstring;
-static unsigned long long taken;  /* reads done in C, every lane of the process */  /* _json.scanstring (json.decoder's, when built) or NULL */
+static PyObject *scanstring;      /* _json.scanstring (json.decoder's, when built) or NULL */
+static unsigned long long taken;  /* reads done in C, every lane of the process */
 
 static const char TAIL1[] = "},\"logprobs\":null,\"finish_reason\":null";
 static const char TOKEN_IDS[] = ",\"token_ids\":null";
