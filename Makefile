@@ -86,7 +86,7 @@ $(VENV)/.bench-deps: $(BIN)/mla-serve tests/bench/requirements.txt tests/bench/r
 # Every benchmark runs even when one misses its target (exit 1); the names of those that did
 # are printed at the end, and make fails then.
 BENCHES = patches sidecar passthrough loops replay hot_path
-bench: $(VENV)/.test-deps $(VENV)/.bench-deps  ## benchmarks; results in build/bench/*.json
+bench: $(VENV)/.test-deps $(VENV)/.bench-deps $(LANE)  ## benchmarks; results in build/bench/*.json
 	@failed=""; for name in $(BENCHES); do \
 	  echo "== bench_$$name"; \
 	  $(BIN)/python -m tests.bench.bench_$$name --out build/bench/$$name.json || failed="$$failed $$name"; \
