@@ -2,7 +2,7 @@
 
 Each case runs the same upstream bytes twice through the code a chat request takes without
 ASGI (fast.FastExchange on an upstream.Connection, no sockets): once with the lane (the
-connection's `data_received` is a `_lane.Lane`), once without it (`upstream.LANE` off, every
+connection's `data_received` is a `_lane.Lane`), once without it (the pool's `lane` off, every
 read in Python, as before the lane existed). The client's bytes (head and body, dechunked),
 the completion (every choice's visibility and finish), the loop guard (tokens, detector
 text, loop, stop), every metric the sidecar exports and the response's end must be equal,
@@ -54,18 +54,15 @@ def test_the_lane_is_built() -> None:
     """`make test` builds it (MLA_SERVE_BUILD_LANE=require): the parity below must not pass
     by running the Python path twice."""
     assert upstream._lane is not None, "mla_serve/sidecar/_lane.c is not built: make test builds it"
-    assert upstream.LANE
 
 
 def run(
-    monkeypatch: pytest.MonkeyPatch,
     lane: bool,
     reads: list[bytes],
     action: str = "observe",
     gone_at: int | None = None,
 ) -> dict[str, Any]:
     """One request and vLLM's `reads` through the fast path; what everyone could observe."""
-    monkeypatch.setattr(upstream, "LANE", lane)
 
     async def go() -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -75,7 +72,7 @@ def run(
         guard = LoopGuard(settings.loop_policy(), registry)
         proxy_settings = proxy.ProxySettings(upstream=URL, upstream_client="direct")
         the_proxy = proxy.Proxy(proxy_settings, ledger, guard, registry)
-        pool = the_proxy.pool = upstream.Pool(URL, proxy_settings.connect_timeout)
+        pool = the_proxy.pool = upstream.Pool(URL, proxy_settings.connect_timeout, lane=lane)
         conn = upstream.Connection(pool)
         conn.connection_made(bench_hot_path.VllmTransport())  # type: ignore[arg-type]
         assert (conn.lane is not None) is lane
@@ -139,14 +136,13 @@ def guard_state(guard: ResponseGuard | None) -> dict[str, Any] | None:
 
 
 def same(
-    monkeypatch: pytest.MonkeyPatch,
     reads: list[bytes],
     action: str = "observe",
     gone_at: int | None = None,
 ) -> int:
     """Run both ways, assert they agree; the reads the lane did."""
-    python = run(monkeypatch, False, reads, action, gone_at)
-    lane = run(monkeypatch, True, reads, action, gone_at)
+    python = run(False, reads, action, gone_at)
+    lane = run(True, reads, action, gone_at)
     taken = lane.pop("taken")
     assert python.pop("taken") == 0
     assert lane == python
@@ -175,10 +171,10 @@ def test_the_recordings_are_there() -> None:
 
 
 @pytest.mark.parametrize("how", ["each", "head-with-first", "pairs", "cut"])
-def test_every_recorded_vllm_stream_the_same_either_way(monkeypatch, how) -> None:
+def test_every_recorded_vllm_stream_the_same_either_way(how) -> None:
     taken = 0
     for stream in RECORDED:
-        taken += same(monkeypatch, cuts(stream["reads"], how))
+        taken += same(cuts(stream["reads"], how))
     if how != "cut":  # cut reads split chunks: those go to Python, as they must
         assert taken > 1000, f"the lane did only {taken} reads"
 
@@ -223,16 +219,16 @@ ODD_TEXTS = {
 
 @pytest.mark.parametrize("name", sorted(ODD_TEXTS))
 @pytest.mark.parametrize("how", ["each", "pairs"])
-def test_odd_text_the_same_either_way(monkeypatch, name, how) -> None:
+def test_odd_text_the_same_either_way(name, how) -> None:
     tokens = thinking(12) + [("content", text) for text in ODD_TEXTS[name] * 3]
-    assert same(monkeypatch, cuts(vllm_stream(tokens), how)) > 0
+    assert same(cuts(vllm_stream(tokens), how)) > 0
 
 
-def test_channel_switches_the_same_either_way(monkeypatch) -> None:
+def test_channel_switches_the_same_either_way() -> None:
     tokens = []
     for i in range(30):
         tokens += [("reasoning", f"r{i} ")] + ([("content", f"c{i} ")] if i % 3 else [])
-    assert same(monkeypatch, cuts(vllm_stream(tokens), "each")) > 0
+    assert same(cuts(vllm_stream(tokens), "each")) > 0
 
 
 def raw_token(string: bytes, channel: bytes = b"content", tail: bytes | None = None) -> bytes:
@@ -271,19 +267,19 @@ STRINGS = {
 
 
 @pytest.mark.parametrize("name", sorted(TAILS))
-def test_tails_the_match_refuses_or_takes_the_same_either_way(monkeypatch, name) -> None:
+def test_tails_the_match_refuses_or_takes_the_same_either_way(name) -> None:
     events = vllm_stream(thinking(10))
     events[5:5] = [raw_token(b"odd", tail=TAILS[name])] * 2
     for how in ("each", "pairs"):
-        same(monkeypatch, cuts(events, how))
+        same(cuts(events, how))
 
 
 @pytest.mark.parametrize("name", sorted(STRINGS))
-def test_strings_the_same_either_way(monkeypatch, name) -> None:
+def test_strings_the_same_either_way(name) -> None:
     events = vllm_stream(thinking(10))
     events[5:5] = [raw_token(STRINGS[name]), raw_token(STRINGS[name], b"reasoning")]
     for how in ("each", "pairs"):
-        same(monkeypatch, cuts(events, how))
+        same(cuts(events, how))
 
 
 FRAMINGS = {
@@ -295,11 +291,11 @@ FRAMINGS = {
 
 
 @pytest.mark.parametrize("name", sorted(FRAMINGS))
-def test_chunk_framings_the_same_either_way(monkeypatch, name) -> None:
+def test_chunk_framings_the_same_either_way(name) -> None:
     """Chunks the lane does not take (the Python path's parser does): nothing differs."""
     events = vllm_stream(thinking(20))
     reads = [HEAD] + [FRAMINGS[name](e) if 3 <= i < 9 else frame(e) for i, e in enumerate(events)]
-    assert same(monkeypatch, [*reads, b"0\r\n\r\n"]) > 0
+    assert same([*reads, b"0\r\n\r\n"]) > 0
 
 
 def loop_tokens(name: str) -> list[tuple[str, str]]:
@@ -309,25 +305,25 @@ def loop_tokens(name: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("action", ["observe", "stop"])
 @pytest.mark.parametrize("name", sorted(loop_corpus.LOOPS))
-def test_loops_caught_at_the_same_token_either_way(monkeypatch, name, action) -> None:
+def test_loops_caught_at_the_same_token_either_way(name, action) -> None:
     """The guard checks every 32 characters, on the Python side; a stop ends the stream
     at the same token with the same ending, whatever the lane took before it."""
     tokens = loop_tokens(name)
     for how in ("each", "pairs"):
         reads = cuts(vllm_stream(tokens), how)
-        assert same(monkeypatch, reads, action) > 0
-        result = run(monkeypatch, True, reads, action)
+        assert same(reads, action) > 0
+        result = run(True, reads, action)
         assert result["guard"]["looping"] == 1
         assert result["guard"]["stopped"] is (action == "stop")
 
 
 @pytest.mark.parametrize("name", sorted(loop_corpus.LEGIT))
-def test_legitimate_repetition_the_same_either_way(monkeypatch, name) -> None:
+def test_legitimate_repetition_the_same_either_way(name) -> None:
     channel, text = loop_corpus.LEGIT[name]
     tokens = [(channel, piece) for piece in loop_corpus.stream(text)][:600]
     reads = cuts(vllm_stream(tokens), "each")
-    assert same(monkeypatch, reads, "stop") > 0
-    assert run(monkeypatch, True, reads, "stop")["guard"]["looping"] == 0
+    assert same(reads, "stop") > 0
+    assert run(True, reads, "stop")["guard"]["looping"] == 0
 
 
 def test_the_lane_stops_at_a_paused_client(monkeypatch) -> None:
@@ -335,16 +331,16 @@ def test_the_lane_stops_at_a_paused_client(monkeypatch) -> None:
     Python path, which queues them in order."""
     monkeypatch.setattr(bench_hot_path.Flow, "write_paused", True)
     reads = cuts(vllm_stream(thinking(30)), "each")
-    assert same(monkeypatch, reads) == 0
+    assert same(reads) == 0
 
 
 @pytest.mark.parametrize("gone_at", [3, 10])
-def test_a_client_gone_during_a_write_the_same_either_way(monkeypatch, gone_at) -> None:
+def test_a_client_gone_during_a_write_the_same_either_way(gone_at) -> None:
     """The client's transport ends the exchange inside a write the lane makes (vLLM's
     connection dropped, the lane disarmed under it): the read finishes on what it holds, and
     both ways leave the same state."""
     reads = cuts(vllm_stream(thinking(30)), "each")
-    taken = same(monkeypatch, reads, gone_at=gone_at)
+    taken = same(reads, gone_at=gone_at)
     # the head with the role chunk and the first token chunk went through Python (which armed
     # the lane); the lane made every write after them, the last one the client went in
     assert taken == gone_at - 2

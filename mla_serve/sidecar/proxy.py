@@ -98,7 +98,7 @@ class ProxySettings:
     # "direct": chat/completions on upstream.py's client (needs httptools and a plain
     # http:// URL without a path); "aiohttp": everything on aiohttp's client.
     upstream_client: str = "aiohttp"
-    lane: bool | None = None  # the direct client's reads of token chunks in C (None: upstream.LANE)
+    lane: bool | None = None  # the direct client's reads of token chunks in C (None: when built)
     routes: tuple[str, ...] = OPENAI_ROUTES
     trusted_proxies: tuple[Network, ...] = ()
     http10_max_response_bytes: int = 16 * 1024 * 1024

@@ -35,8 +35,6 @@ except ImportError:  # a build without a C compiler: every read in Python, the s
     _lane = None  # type: ignore[assignment]
 
 LANE_BUILT = _lane is not None
-# Whether pools made from now on take token chunks in C, unless told (`--lane`; the tests).
-LANE = LANE_BUILT
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -249,7 +247,7 @@ class Pool:
         self.authority = parts.netloc.rpartition("@")[2].encode("latin-1")
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
-        self.lane = LANE if lane is None else lane and _lane is not None
+        self.lane = LANE_BUILT if lane is None else lane and LANE_BUILT  # token chunks in C
         self.idle: list[tuple[Connection, float]] = []
         self.loop = asyncio.get_running_loop()
 

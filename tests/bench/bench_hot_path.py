@@ -164,7 +164,6 @@ class HotPath:
         self.proxy.pool = upstream.Pool(settings.vllm_url, proxy_settings.connect_timeout)
         self.fast = fast.FastPath(self.proxy, None)
         self.loop = loop
-        self.tokens = 0  # reads the token match took, last pass
 
     def request(self, stream: dict[str, Any]) -> fast.FastExchange:
         protocol = Protocol(self.loop, len(stream["body"]))
@@ -180,7 +179,7 @@ class HotPath:
     def connect(self, exchange: fast.FastExchange) -> upstream.Connection:
         """The request (made by `request`) sent on a pooled connection to vLLM (no socket),
         as request_done sends it; its `data_received` takes vLLM's reads (the C lane's where
-        built and `upstream.LANE` is on)."""
+        built and the pool's `lane` is on)."""
         pool = self.proxy.pool
         assert pool is not None
         conn = upstream.Connection(pool)
