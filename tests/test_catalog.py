@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -218,7 +219,11 @@ def test_a_release_without_a_backport_is_affected_applied_and_verified_as_such(
     assert run(capsys, "patches", "verify", "--target", target)[0] == 0
     assert labels_problems(document, "0.28.0") == []  # an image may say so in its labels
 
-    code, out, _ = run(capsys, "patches", "status", "--target", target)
+    code, out, err = run(capsys, "patches", "status", "--target", target)
+    assert code == 1  # the bug is there, as the catalog says: not a tree to serve unawares
+    assert err.splitlines()[0].startswith(
+        "AFFECTED dcp-empty-shard-mask: vLLM 0.28.0 has the bug and mla-serve carries no backport"
+    )
     row_text = next(line for line in out.splitlines() if line.startswith("dcp-empty-shard-mask"))
     assert row_text.split()[1:4] == ["n/a", "AFFECTED:fail", "patched"]
     assert "AFFECTED = the release has the bug and mla-serve carries no backport" in out
@@ -292,3 +297,45 @@ def test_unreachable_proves_only_a_verdict():
         assert probes.proves(claim, passing) and not probes.proves(claim, unreachable)
     affected = catalog_.ReleaseStatus(S.AFFECTED, "the bug")
     assert probes.proves(affected, failing) and not probes.proves(affected, passing)
+
+
+def test_list_verbose_gives_the_reason_for_every_cell(capsys: pytest.CaptureFixture[str]):
+    """The table's footer says `--verbose` tells why a cell is n/a: for every fix, each
+    release's status is printed with its reason (n/a, patched, upstream and verdicts alike),
+    and every release where the bug is with the code path that reaches it."""
+    code, out, _ = run(capsys, "patches", "list")
+    assert code == 0 and "--verbose says why" in out
+    code, out, _ = run(capsys, "patches", "list", "--verbose")
+    assert code == 0
+    blocks = {block.split(":", 1)[0]: block for block in out.split("\n\n")}
+    label = {S.NOT_AFFECTED: "n/a", S.PATCHED: "patched", S.UPSTREAM: "upstream"}
+    label[S.AFFECTED] = "AFFECTED"
+    for fix in CATALOG.fixes:
+        block = blocks[fix.id]
+        for release in CATALOG.releases:
+            claim = fix.on(release)
+            lines = [
+                line.strip()
+                for line in block.splitlines()
+                if line.startswith(f"  {label[claim.status]} ") and line.endswith(claim.reason)
+            ]
+            assert len(lines) == 1, (fix.id, release, claim.reason)
+            assert _names(lines[0].split(":", 1)[0], release), (fix.id, release, lines[0])
+            if claim.path:
+                assert any(
+                    line.startswith("  path ")
+                    and line.endswith(claim.path)
+                    and _names(line.split(":", 1)[0], release)
+                    for line in block.splitlines()
+                ), (fix.id, release)
+    verdict = CATALOG.fix("dsv4-indexer-capture-shortcut").on("0.27.1")
+    assert f"  n/a 0.27.1 (verdict): {verdict.reason}" in out
+
+
+def _names(head: str, release: str) -> bool:
+    """Whether `n/a 0.27.1, 0.30.0-0.33.0 (verdict)` names `release` (in a run or alone)."""
+    key = catalog_._version_key
+    for first, last in re.findall(r"(\d+\.\d+\.\d+)(?:-(\d+\.\d+\.\d+))?", head):
+        if key(first) <= key(release) <= key(last or first):
+            return True
+    return False

@@ -330,6 +330,35 @@ def test_check_wheel_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert cli.main(["patches", "check-wheel", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("BAD cannot read vllm-0.33.0-cp38-abi3-linux_x86_64.whl as a ZIP")
+    # No file to judge is bad input, not a bad wheel: one line, exit 2.
+    missing = tmp_path / "vllm-0.29.0-cp38-abi3-linux_x86_64.whl"
+    folder = tmp_path / "folder" / "vllm-0.29.0-cp38-abi3-linux_x86_64.whl"
+    folder.mkdir(parents=True)
+    for path, reason in ((missing, "No such file or directory"), (folder, "Is a directory")):
+        assert cli.main(["patches", "check-wheel", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"mla-serve: error: cannot read {path}: {reason}\n"
+        assert captured.out == ""
+
+
+@pytest.mark.parametrize("source", ["--wheel", "--vllm-version"])
+def test_an_unusable_out_folder_is_refused_before_the_wheel_is_read(
+    source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before fetching, unpacking and patching (about 20 s), not after: one line, exit 2."""
+    cached = wheel.fetch(RELEASE, trees.CACHE / "wheels")
+    given = str(cached) if source == "--wheel" else RELEASE
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "dist", Path("/proc/mla-serve-dist")):
+        command = ["patches", "wheel", source, given, "--cache", str(trees.CACHE / "wheels")]
+        code = cli.main([*command, "--out", str(out)])
+        captured = capsys.readouterr()
+        assert code == 2
+        assert captured.err.startswith(f"mla-serve: error: cannot write into {out}: ")
+        assert captured.err.count("\n") == 1
+        assert "unpacking" not in captured.out and "series" not in captured.out
+        assert not out.exists()
 
 
 def test_rewrite_adds_removes_and_renames_data_and_non_ascii_members(tmp_path: Path) -> None:

@@ -208,7 +208,7 @@ def test_status_json_has_the_documented_shape(tmp_path: Path, capsys):
     code, out, _ = run(
         capsys, "patches", "status", "--target", trees.pristine("0.28.0"), "--format", "json"
     )
-    assert code == 0
+    assert code == 1  # a pristine tree of a patched release lacks its backports
     document = json.loads(out)
     assert document["vllm_version"] == "0.28.0"
     assert [f["id"] for f in document["fixes"]] == [f.id for f in CATALOG.fixes]
@@ -224,10 +224,152 @@ def test_status_json_has_the_documented_shape(tmp_path: Path, capsys):
 
 def test_status_text_shows_the_matrix_with_this_trees_probes(capsys):
     code, out, _ = run(capsys, "patches", "status", "--target", trees.pristine("0.27.1"))
-    assert code == 0
+    assert code == 1
     assert "[0.27.1]" in out
     row = next(line for line in out.splitlines() if line.startswith("dsv4-c128a-capacity-stride"))
     assert row.split()[1:3] == ["patched:fail", "upstream"]
+
+
+@pytest.mark.parametrize("release", AFFECTED)
+def test_status_exits_1_where_a_fix_the_catalog_promises_is_missing(
+    release: str, tmp_path: Path, capsys
+):
+    """0: every fix as the catalog says; 1: one is not (a patched release's pristine tree),
+    with a line per missing fix; the same in JSON."""
+    pristine = trees.pristine(release)
+    missing = [f.id for f in CATALOG.fixes if f.on(release).status is catalog_.Status.PATCHED]
+    for output in ("text", "json"):
+        code, _, err = run(capsys, "patches", "status", "--target", pristine, "--format", output)
+        assert code == 1, (output, err)
+        assert [line.split()[1] for line in err.splitlines() if line.startswith("MISSING")] == (
+            missing
+        )
+        assert f"{len(missing)} fix(es) not as the catalog says" in err
+        assert "Traceback" not in err
+    target = trees.clone(release, tmp_path / "tree")
+    assert run(capsys, "patches", "apply", "--target", target)[0] == 0
+    code, _, err = run(capsys, "patches", "status", "--target", target)
+    assert code == 0 and err == ""
+
+
+def test_status_exits_0_on_a_release_that_ships_every_fix(capsys):
+    code, _, err = run(capsys, "patches", "status", "--target", trees.pristine(NOTHING_TO_DO[-1]))
+    assert code == 0 and err == ""
+
+
+def _apply_then_edit(tmp_path: Path, capsys) -> tuple[Path, dict[str, str], Path]:
+    """0.29.0 patched by `apply`, its snapshot then, and ops/dcp.py (patched) edited."""
+    target = trees.clone("0.29.0", tmp_path / "tree")
+    assert run(capsys, "patches", "apply", "--target", target)[0] == 0
+    applied = snapshot(target)
+    edited = target / "vllm/v1/attention/ops/dcp.py"
+    trees.edit(edited, edited.read_text() + "\n# local change\n")
+    return target, applied, edited
+
+
+def test_apply_refuses_a_drifted_tree_and_leaves_it_as_it_is(tmp_path: Path, capsys):
+    """apply would have found every patch present and recorded the edited file as the
+    series' result: the drift verify reports would be blessed. It refuses, naming the file,
+    and writes nothing (the manifest included); verify still reports the drift."""
+    target, _, edited = _apply_then_edit(tmp_path, capsys)
+    before = snapshot(target)
+    manifest_bytes = (target / "vllm" / manifest.FILENAME).read_bytes()
+    for dry_run in ([], ["--dry-run"]):
+        code, out, err = run(capsys, "patches", "apply", "--target", target, *dry_run)
+        assert code == 1, (dry_run, out, err)
+        assert "DRIFT vllm/v1/attention/ops/dcp.py: sha256" in err
+        assert "1 file(s) changed since the series was applied" in err
+        assert "`mla-serve patches repair`" in err and "Traceback" not in err
+        assert "file(s) changed; manifest" not in out
+        assert snapshot(target) == before
+        assert (target / "vllm" / manifest.FILENAME).read_bytes() == manifest_bytes
+    assert edited.read_text().endswith("# local change\n")
+    code, _, err = run(capsys, "patches", "verify", "--target", target)
+    assert code == 1 and "DRIFT vllm/v1/attention/ops/dcp.py" in err
+
+
+def test_repair_takes_a_drifted_tree_back_to_the_series(tmp_path: Path, capsys):
+    """repair restores the series' content of the changed files from the originals the
+    manifest records: an edit outside the series' hunks, one inside them (the series cannot
+    be undone on it) and a deleted file; the tree is then byte for byte as apply left it."""
+    target, applied, edited = _apply_then_edit(tmp_path, capsys)
+    document = json.loads((target / "vllm" / manifest.FILENAME).read_text())
+    paths = [row["path"] for row in document["files"]]
+    assert sorted(document["originals"]) == sorted(paths)
+    inside = next(p for p in paths if p.endswith("backends/utils.py"))
+    # Undo one line the series added there: reversing the series no longer applies.
+    plan = engine.plan(tree.locate(trees.pristine("0.29.0")), CATALOG)
+    added = next(
+        line
+        for patch in plan.diffs.values()
+        for fd in patch
+        if fd.path == inside
+        for hunk in fd.hunks
+        for line in hunk.new
+        if line not in hunk.old and line.strip()
+    )
+    text = (target / inside).read_text()
+    assert text.count(added) == 1
+    trees.edit(target / inside, text.replace(added, "    pass  # reverted by hand"))
+    gone = next(p for p in paths if p.endswith("flashinfer_mla_sparse.py"))
+    (target / gone).unlink()
+    code, _, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 1 and "3 file(s) changed" in err
+    code, out, err = run(capsys, "patches", "repair", "--target", target)
+    assert code == 0, err
+    assert "restored the series' content of" in out
+    for path in (str(edited.relative_to(target)), inside, gone):
+        assert f"DRIFT {path}" in out and path in out.splitlines()[-1]
+    assert snapshot(target) == applied  # the manifest included
+    assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+    code, out, _ = run(capsys, "patches", "repair", "--target", target)
+    assert code == 0 and "no interrupted apply and no file changed" in out
+
+
+def test_repair_without_recorded_originals_undoes_the_series_or_refuses(tmp_path: Path, capsys):
+    """A manifest without `originals` (as older mla-serve wrote them): a file back at the
+    release's original is repaired by applying the series again; an edited one cannot be
+    told apart from its original, and repair refuses in one line, touching nothing."""
+    target, applied, edited = _apply_then_edit(tmp_path, capsys)
+    path = target / "vllm" / manifest.FILENAME
+    document = json.loads(path.read_text())
+    del document["originals"]
+    trees.edit(path, manifest.render(document))
+    before = snapshot(target)
+    code, _, err = run(capsys, "patches", "repair", "--target", target)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "cannot restore vllm/v1/attention/ops/dcp.py: the manifest records no original" in err
+    assert snapshot(target) == before
+    relative = str(edited.relative_to(target))
+    trees.edit(edited, (trees.pristine("0.29.0") / relative).read_text())
+    code, out, err = run(capsys, "patches", "repair", "--target", target)
+    assert code == 0, err
+    assert "(the release's original)" in out
+    assert snapshot(target) == applied  # and the manifest records the originals again
+
+
+def test_apply_after_vllm_was_reinstalled_applies_the_series_again(tmp_path: Path, capsys):
+    """A patched file back at the release's original (vLLM reinstalled over the tree, which
+    keeps the manifest) is no drift to refuse: apply patches it again."""
+    target, applied, edited = _apply_then_edit(tmp_path, capsys)
+    relative = str(edited.relative_to(target))
+    trees.edit(edited, (trees.pristine("0.29.0") / relative).read_text())
+    code, out, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 0, err
+    assert "1 file(s) changed" in out
+    assert snapshot(target) == applied
+
+
+def test_apply_refuses_a_manifest_it_cannot_read(tmp_path: Path, capsys):
+    target = trees.clone("0.29.0", tmp_path / "tree")
+    assert run(capsys, "patches", "apply", "--target", target)[0] == 0
+    path = target / "vllm" / manifest.FILENAME
+    trees.edit(path, "{not json")
+    before = snapshot(target)
+    code, _, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "cannot read manifest" in err and "remove the manifest to apply afresh" in err
+    assert snapshot(target) == before
 
 
 def test_unknown_release_and_non_trees_are_refused_clearly(tmp_path: Path, capsys):

@@ -771,9 +771,11 @@ def test_a_journal_naming_an_outside_file_needs_that_manifest(tmp_path: Path, ca
     assert f"run again with --manifest {outside}" in one_line_error(code, err)
     assert outside.read_text() == "patched"
     # Named explicitly (it was this run's manifest), the journal is followed.
-    code, out, _ = run(capsys, "patches", "repair", "--target", target, "--manifest", outside)
-    assert code == 0 and "restored" in out
+    code, out, err = run(capsys, "patches", "repair", "--target", target, "--manifest", outside)
+    assert "is as it was before the interrupted apply" in out
     assert outside.read_text() == "evil"
+    # What it restored is no manifest, so repair cannot check the files against it.
+    assert f"cannot read manifest {outside}" in one_line_error(code, err)
     held("journal-outside-manifest")
 
 
@@ -803,7 +805,8 @@ def test_a_probe_that_raises_fails_closed(tmp_path: Path, capsys):
     assert code == 1 and "Traceback" not in err
     assert "DRIFT dcp-workspace-sizing: probe fails: probe raised" in err
     code, out, err = run(capsys, "patches", "status", "--target", target)
-    assert code == 0 and "Traceback" not in err
+    assert code == 1 and "Traceback" not in err
+    assert "MISSING dcp-workspace-sizing (upstream): probe fail: probe raised" in err
     row = next(line for line in out.splitlines() if line.startswith("dcp-workspace-sizing"))
     assert "upstream:fail" in row
     held("probe-raises")

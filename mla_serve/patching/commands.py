@@ -22,10 +22,14 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     listing.set_defaults(run=_list)
 
     for name, run, text in (
-        ("status", _status, "which fixes a vLLM tree has, proven by probes"),
+        ("status", _status, "which fixes a vLLM tree has, proven by probes; 1 if one is not"),
         ("apply", _apply, "apply the release's series (all or nothing) and write the manifest"),
         ("verify", _verify, "check a patched tree against its manifest; non-zero on drift"),
-        ("repair", _repair, "undo an interrupted apply from its journal (restores the tree)"),
+        (
+            "repair",
+            _repair,
+            "undo an interrupted apply; restore the series' content of files changed since",
+        ),
     ):
         sub = actions.add_parser(name, help=text)
         sub.add_argument(
@@ -98,6 +102,7 @@ def _wheel(args: argparse.Namespace) -> int:
         source = args.wheel
     else:
         catalog.release_of(args.vllm_version)  # refuse unsupported releases before downloading
+        dist.writable(args.out)  # and an output folder that cannot take the wheel
         source = wheel.fetch(args.vllm_version, args.cache, arch=args.arch)
     print(f"source: {source}")
     built = dist.build(source, args.out, catalog, progress=print)
@@ -148,9 +153,19 @@ def _status(args: argparse.Namespace) -> int:
     )
     if args.format == "json":
         print(json.dumps(report.states_json(found.version, release, states), indent=2))
-        return 0
-    _describe(found, catalog.series(release))
-    print(report.matrix(catalog, release, states))
+    else:
+        _describe(found, catalog.series(release))
+        print(report.matrix(catalog, release, states))
+    problems = report.not_in_place(release, states)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        print(
+            f"vLLM {found.version} at {found.root}: {len(problems)} fix(es) not as the catalog "
+            "says (`mla-serve patches apply` applies the series)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -162,6 +177,8 @@ def _apply(args: argparse.Namespace) -> int:
     if args.dry_run:
         if journal.journal_path(found).exists():
             print(f"dry run: an interrupted apply would be undone first ({JOURNAL_HINT})")
+        elif _drift_refused(found, path):
+            return 1
         plan = engine.plan(found, catalog)
         _print_states(engine.check(plan, catalog))
         changed = ", ".join(sorted(plan.changes)) or "nothing"
@@ -169,6 +186,8 @@ def _apply(args: argparse.Namespace) -> int:
         return 0
     with journal.locked(found):
         _recover(found, path, catalog)
+        if _drift_refused(found, path):
+            return 1
         plan = engine.plan(found, catalog)
         states = engine.check(plan, catalog)
         _print_states(states)
@@ -178,6 +197,29 @@ def _apply(args: argparse.Namespace) -> int:
 
 
 JOURNAL_HINT = f"vllm/{journal.JOURNAL}"
+
+
+def _drift_refused(found: tree.VllmTree, path: Path) -> bool:
+    """Whether files of the tree differ from its manifest, which `apply` then refuses (it
+    would record them as the series' result); says which, and what to do, on stderr."""
+    try:
+        _, drifts = manifest.drifted(found, path, reverted=False)
+    except manifest.ManifestError as error:
+        raise manifest.ManifestError(
+            f"{error}; apply checks the tree against its manifest before writing: remove "
+            "the manifest to apply afresh"
+        ) from None
+    for drift in drifts:
+        print(f"DRIFT {drift.what}: {drift.detail}", file=sys.stderr)
+    if drifts:
+        print(
+            f"vLLM {found.version} at {found.root}: {len(drifts)} file(s) changed since the "
+            f"series was applied ({path}), neither its result nor the release's original; "
+            "nothing written. `mla-serve patches repair` restores the series' content of "
+            "these files (the changes are lost)",
+            file=sys.stderr,
+        )
+    return bool(drifts)
 
 
 def _print_states(states: list[engine.FixState]) -> None:
@@ -219,15 +261,28 @@ def _inside(found: tree.VllmTree, name: str) -> bool:
 
 
 def _repair(args: argparse.Namespace) -> int:
+    """Undo an interrupted apply, then restore the series' content of every file changed
+    since the manifest was written (from the originals it records), as one transaction."""
     catalog = catalog_.load()
     found = tree.locate(args.target)
     path = args.manifest or manifest.default_path(found)
+    where = f"vLLM {found.version} at {found.root}"
     with journal.locked(found):
         restored = _recover(found, path, catalog)
-    if restored is None:
-        print(f"vLLM {found.version} at {found.root}: no interrupted apply, nothing to repair")
-    else:
-        print(f"vLLM {found.version} at {found.root} is as it was before the interrupted apply")
+        if restored is not None:
+            print(f"{where} is as it was before the interrupted apply")
+        document, drifts = manifest.drifted(found, path)
+        if document is None or not drifts:
+            if restored is None:
+                print(f"{where}: no interrupted apply and no file changed since {path}")
+            return 0
+        for drift in drifts:
+            print(f"DRIFT {drift.what}: {drift.detail}")
+        plan = engine.plan(found, catalog, manifest.originals(found, document, catalog))
+        states = engine.check(plan, catalog)
+        written = engine.write(plan, (path, manifest.render(manifest.build(plan, states))))
+    listed = ", ".join(written) or "no file"
+    print(f"restored the series' content of {listed}; {where} matches {path}")
     return 0
 
 

@@ -153,6 +153,7 @@ def build(
         raise DistError(f"cannot read {source}: {_reason(error)}") from None
     if MANIFEST_MEMBER in layout.names:
         raise DistError(f"{source.name} already contains {MANIFEST_MEMBER}")
+    writable(out_dir)  # before the unpacking and patching, not after
     with tempfile.TemporaryDirectory(prefix="mla-serve-wheel.") as scratch:
         root = Path(scratch) / "tree"
         wheel.unpack(source, root, python_only=True, progress=progress)
@@ -190,6 +191,16 @@ def build(
         raise
     changed = sorted(p for p in changes if p != MANIFEST_MEMBER)
     return Built(target, version, release, plan.series.digest, states, changed, checked, digest)
+
+
+def writable(out_dir: Path) -> None:
+    """Create `out_dir` if needed and make sure a file can be created in it; DistError if not."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as error:
+        raise DistError(f"cannot write into {out_dir}: {_reason(error)}") from None
 
 
 def _reason(error: BaseException) -> str:
@@ -503,7 +514,11 @@ def check(
     """
     wheel_name = WheelName.parse(name or path.name)
     try:
-        with zipfile.ZipFile(path) as archive:
+        handle = path.open("rb")
+    except OSError as error:  # no wheel to judge: bad input, not a bad wheel
+        raise DistError(f"cannot read {path}: {_reason(error)}") from None
+    try:
+        with handle, zipfile.ZipFile(handle) as archive:
             return _check(archive, path, wheel_name, progress)
     except (OSError, zipfile.BadZipFile) as error:
         return [f"cannot read {path.name} as a ZIP archive: {error}"], 0

@@ -14,6 +14,7 @@ Order of work, so that a failure never leaves a half-patched tree:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,18 @@ class Plan:
         return states
 
 
-def plan(tree: VllmTree, catalog: Catalog) -> Plan:
-    """Apply the release's series in memory; raise PatchError naming any conflict."""
+def plan(
+    tree: VllmTree, catalog: Catalog, originals: Mapping[str, str | None] | None = None
+) -> Plan:
+    """Apply the release's series in memory; raise PatchError naming any conflict.
+
+    `originals` (for `repair`): files as the release shipped them, taken in place of their
+    text on disk, so that the series is applied to them afresh; the plan's changes are then
+    what it takes to turn the files on disk into the series' result.
+    """
     release = catalog.release_of(tree.version)
-    result = Plan(tree=tree, release=release, series=catalog.series(release))
+    source = tree if originals is None else tree.with_overlay(originals)
+    result = Plan(tree=source, release=release, series=catalog.series(release))
     for patch in result.series.patches:
         fix = catalog.fix_of_patch(release, patch)
         try:
@@ -103,6 +112,7 @@ def plan(tree: VllmTree, catalog: Catalog) -> Plan:
             result.present.append(patch)
             continue
         raise PatchError(f"fix {fix.id}: {patch} does not apply to {tree.root}: {forward}")
+    result.tree = tree  # changes, states and the journal compare with the files on disk
     return result
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_serve import __version__
-from mla_serve.patching import engine, journal, probes
+from mla_serve.patching import diff, engine, journal, probes
 from mla_serve.patching.catalog import Catalog, CatalogError, Status
 from mla_serve.patching.tree import VllmTree, sha256
 
@@ -56,6 +56,11 @@ def build(plan: engine.Plan, states: list[engine.FixState]) -> dict[str, Any]:
             for s in states
         ],
         "files": engine.touched_files(plan),
+        # Each touched file as the release shipped it, for `repair` to restore the series'
+        # content of a file changed since (last: the record above stays readable first).
+        "originals": {
+            path: text for path, text in sorted(plan.pristine.items()) if text is not None
+        },
     }
 
 
@@ -119,6 +124,11 @@ def _shape_problem(document: object) -> str | None:
         name = row["path"]
         if name.startswith("/") or "\\" in name or ".." in name.split("/"):
             return f"file path {name!r} is not a relative path inside the vLLM tree"
+    originals = document.get("originals", {})
+    if not isinstance(originals, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in originals.items()
+    ):
+        return "originals must map file paths to their text"
     return None
 
 
@@ -139,6 +149,91 @@ def changed_files(
         if actual != row["sha256_after"]:
             changed.append((row["path"], actual, row["sha256_after"]))
     return changed
+
+
+def drifted(
+    tree: VllmTree, path: Path, *, reverted: bool = True
+) -> tuple[dict[str, Any] | None, list[Drift]]:
+    """The manifest at `path` and the files of the tree that differ from the series' result
+    it records; with `reverted` False, only those that are not the release's original
+    either (edited: `apply` would record them as the series' result, so it refuses them,
+    while an original, e.g. after vLLM was reinstalled, only needs the series again).
+
+    (None, []) when there is no manifest, or when it is one of another vLLM version (a
+    stale record: that vLLM was replaced, and `apply` writes this one's). A manifest that
+    cannot be read is a ManifestError: what it records cannot be told.
+    """
+    if not path.is_file():
+        return None, []
+    document = read(path)
+    if document["vllm_version"] != tree.version:
+        return None, []
+    before = {row["path"]: row.get("sha256_before") for row in document["files"]}
+    drifts = [
+        drift
+        for drift, actual in _file_drifts(tree, document)
+        if reverted or actual != before[drift.what]
+    ]
+    return document, drifts
+
+
+def _file_drifts(tree: VllmTree, document: dict[str, Any]) -> list[tuple[Drift, str | None]]:
+    """Each file that differs from the manifest's sha256_after, with its sha256 now."""
+    drifts = []
+    before = {row["path"]: row.get("sha256_before") for row in document["files"]}
+    for path, actual, expected in changed_files(tree, document):
+        state = "missing" if actual is None else f"sha256 {actual[:12]}…"
+        if actual is not None and actual == before[path]:
+            state += " (the release's original)"
+        drifts.append((Drift(path, f"{state}, manifest says {str(expected)[:12]}…"), actual))
+    return drifts
+
+
+def originals(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> dict[str, str | None]:
+    """Each file the manifest lists, as the release shipped it (None: it had no such file).
+
+    Taken from the manifest's `originals`, or else recomputed by undoing the series on the
+    file as it is now; either must hash to the manifest's `sha256_before`. A ManifestError
+    names the files for which neither does (a changed file of a manifest without originals).
+    """
+    series = catalog.series(catalog.release_of(tree.version))
+    diffs = []
+    for patch in series.patches:
+        try:
+            diffs += diff.parse(series.text(patch))
+        except diff.DiffError:
+            continue  # plan() refuses it, naming the fix
+    recorded = document.get("originals", {})
+    found: dict[str, str | None] = {}
+    lost = []
+    for row in document["files"]:
+        name, before = row["path"], row.get("sha256_before")
+        if before is None:
+            found[name] = None
+            continue
+        candidates = [recorded.get(name), _undone(tree.read(name), name, diffs)]
+        text = next((c for c in candidates if c is not None and sha256(c.encode()) == before), None)
+        if text is None:
+            lost.append(name)
+        found[name] = text
+    if lost:
+        raise ManifestError(
+            f"cannot restore {', '.join(lost)}: the manifest records no original and undoing "
+            f"the series does not give one; reinstall vLLM {tree.version} (pip install "
+            f"--force-reinstall --no-deps vllm=={tree.version}), then run `mla-serve patches "
+            "apply`"
+        )
+    return found
+
+
+def _undone(text: str | None, name: str, diffs: list[diff.FileDiff]) -> str | None:
+    """`text` with each of the series' changes to `name` undone where it is there, last first."""
+    for file_diff in reversed([d for d in diffs if d.path == name]):
+        try:
+            text = diff.apply(file_diff.reversed(), text)
+        except (diff.HunkMismatch, FileNotFoundError):
+            continue  # not there (or changed): the hash of the result decides
+    return text
 
 
 def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[Drift]:
@@ -187,10 +282,7 @@ def verify(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> list[D
         )
     drifts += _fix_drifts(tree, document, catalog, release)
     drifts += _series_drifts(tree, document, catalog)
-    for path, actual, expected in changed_files(tree, document):
-        state = "missing" if actual is None else f"sha256 {actual[:12]}…"
-        drifts.append(Drift(path, f"{state}, manifest says {str(expected)[:12]}…"))
-    return drifts
+    return drifts + [drift for drift, _ in _file_drifts(tree, document)]
 
 
 def _fix_drifts(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from mla_serve.patching.catalog import Catalog, Status, UpstreamTests
+from mla_serve.patching import probes
+from mla_serve.patching.catalog import Catalog, Fix, ReleaseStatus, Status, UpstreamTests
 from mla_serve.patching.engine import FixState
 
 _SHORT = {
@@ -49,6 +51,26 @@ def matrix(
 def _cell(status: str, state: FixState | None) -> str:
     label = _SHORT[status]
     return label if state is None else f"{label}:{state.probe.word}"
+
+
+def not_in_place(release: str, states: list[FixState]) -> list[str]:
+    """`patches status`: a line per fix that is not as the catalog says on the tree, or where
+    the catalog says the release has a bug mla-serve does not fix (empty: all in place)."""
+    lines = []
+    for state in states:
+        claim = state.fix.on(release)
+        if claim.status is Status.AFFECTED:
+            found = "the probe finds it fixed" if state.probe.passed else state.probe.detail
+            lines.append(
+                f"AFFECTED {state.fix.id}: vLLM {release} has the bug and mla-serve carries no "
+                f"backport ({found})"
+            )
+        elif not probes.proves(claim, state.probe):
+            lines.append(
+                f"MISSING {state.fix.id} ({claim.status.value}): probe {state.probe.word}: "
+                f"{state.probe.detail}"
+            )
+    return lines
 
 
 def catalog_json(catalog: Catalog) -> dict[str, Any]:
@@ -133,9 +155,36 @@ def _proof(tests: UpstreamTests | None) -> list[str]:
     return lines
 
 
+def _grouped(
+    catalog: Catalog, fix: Fix, key: Callable[[ReleaseStatus], object]
+) -> list[tuple[str, ReleaseStatus]]:
+    """The fix's releases grouped by `key` of their claims (first-seen order), each group
+    named by its releases, a run of consecutive ones as `first-last`."""
+    groups: dict[object, list[int]] = {}
+    for index, release in enumerate(catalog.releases):
+        groups.setdefault(key(fix.on(release)), []).append(index)
+    named = []
+    for indices in groups.values():
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        names = [
+            catalog.releases[run[0]]
+            if len(run) == 1
+            else f"{catalog.releases[run[0]]}-{catalog.releases[run[-1]]}"
+            for run in runs
+        ]
+        named.append((", ".join(names), fix.on(catalog.releases[indices[0]])))
+    return named
+
+
 def details(catalog: Catalog) -> str:
-    """Each fix's title, symptom, references, the code path per patched release and the
-    upstream tests that prove it, for `patches list --verbose`."""
+    """Each fix's title, symptom, references, why each release has its status (the reasons
+    for n/a, patched, upstream and AFFECTED cells), the code path per release that has the bug
+    and the upstream tests that prove it, for `patches list --verbose`."""
     blocks = []
     for fix in catalog.fixes:
         lines = [
@@ -145,11 +194,14 @@ def details(catalog: Catalog) -> str:
             f"  layouts:  {', '.join(fix.layouts)}",
             f"  upstream: {', '.join(fix.upstream)}",
         ]
-        for release, claim in fix.releases.items():
+        for releases, claim in _grouped(catalog, fix, lambda c: (c.status, c.reason, c.verdict)):
+            verdict = " (verdict)" if claim.verdict else ""
+            lines.append(f"  {_SHORT[claim.status.value]} {releases}{verdict}: {claim.reason}")
+        for releases, claim in _grouped(catalog, fix, lambda c: (c.path, c.modes, c.status)):
             if claim.path:
                 modes = f" [{', '.join(claim.modes)}]" if claim.modes else ""
                 bare = " (AFFECTED: no backport)" if claim.status is Status.AFFECTED else ""
-                lines.append(f"  path {release}{modes}{bare}: {claim.path}")
+                lines.append(f"  path {releases}{modes}{bare}: {claim.path}")
         lines += _proof(fix.upstream_tests)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
