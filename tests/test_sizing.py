@@ -341,19 +341,40 @@ def test_cli_text(capsys):
         "32768",
         "--attention-backend",
         "FLASHINFER_MLA_SPARSE",
-        "--reserve-gib",
-        "30",
     )
     assert code == 0 and not err
     assert "16.39 GiB (17,594,056,704 B)" in out
     assert "64 heads/rank" in out
-    assert "WARNING: KV budget is negative" in out
     assert "WARNING: vLLM 0.33.0 refuses --attention-backend FLASHINFER_MLA_SPARSE" in out
+
+
+def test_cli_refuses_a_layout_where_no_kv_cache_fits(capsys):
+    """A negative KV budget is no plan (vLLM would not start): one line, exit 2, saying what
+    is missing. From an unquantized config it is nearly always the checkpoint's format."""
+    glm = ["--config", str(GLM52), "--gpu-memory-gib", str(B200)]
+    seed_002 = ["--tp", "2", "--pcp", "2", "--ep", "4", "--gpu-memory-utilization", "0.85"]
+    for fmt in ("text", "json"):
+        code, out, err = run(capsys, *glm, *seed_002, "--format", fmt)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith("mla-serve: error: no KV cache fits on a rank: weights 357.58 GiB")
+        assert "the config has no quantization_config, so every weight counts as bf16" in err
+        assert "--expert-dtype nvfp4" in err and "--weights-gib" in err
+    code, out, _ = run(capsys, *glm, *seed_002, "--expert-dtype", "nvfp4")
+    assert code == 0 and "KV budget" in out
+    # Quantized, the weights fit, the reserve does not: the line names the other knobs.
+    code, out, err = run(capsys, *glm, *seed_002, "--expert-dtype", "nvfp4", "--reserve-gib", "150")
+    assert code == 2 and out == "" and "exceed 0.85 x 179.06 GiB by" in err
+    assert "raise --gpu-memory-utilization, lower --reserve-gib" in err
+    assert "quantization_config" not in err.split("(weights as")[0]
+    code, out, err = run(capsys, "--config", str(DSV4_FLASH), "--gpu-memory-gib", "80", "--tp", "1")
+    assert code == 2 and out == "" and "no KV cache fits on a rank" in err
 
 
 def test_cli_text_reports_workspace_not_allocated(capsys):
     code, out, _ = run(
-        capsys, "--config", str(GLM52), "--gpu-memory-gib", str(B200), "--pcp", "4", "--dcp", "4"
+        capsys,
+        *("--config", str(GLM52), "--gpu-memory-gib", str(B200), "--pcp", "4", "--dcp", "4"),
+        *("--ep", "4", "--expert-dtype", "nvfp4"),
     )
     assert code == 0
     assert "workspace         not allocated (FLASHMLA_SPARSE)" in out
@@ -473,7 +494,14 @@ def bad_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--config", glm, "--tp", "3"], "does not divide num_attention_heads 64"),
         (["--config", glm, "--tp", "2", "--dcp", "4"], "must divide --tp"),
         (["--config", glm, "--tp", "2", "--pcp", "2", "--dcp", "3"], "--dcp must be one of"),
-        (["--config", glm, "--tp", "2", "--ep", "3"], "--ep must be 1 or 2"),
+        (
+            ["--config", glm, "--tp", "2", "--ep", "3"],
+            "--ep must be 1 (no expert parallelism) or 2\n",
+        ),
+        (
+            ["--config", glm, "--ep", "3"],
+            "TP x PCP x DP = 1 rank(s) (--enable-expert-parallel), so --ep must be 1\n",
+        ),
         (["--config", glm, "--gpu-memory-utilization", "1.5"], "utilization"),
         (["--config", str(GLM53_FLASH), "--pcp", "2", "--dcp", "2"], "no sparse-MLA backend"),
     ]

@@ -156,13 +156,19 @@ def layout_from_args(args: argparse.Namespace) -> planning.Layout:
 
 def run(args: argparse.Namespace) -> int:
     config, name = shape.load(args.config)
+    layout = layout_from_args(args)
+    result: planning.Plan | dsv4.Plan
     if dsv4.is_dsv4(config):
-        v4 = planning.plan_dsv4(config, layout_from_args(args), name=name)
-        print(json.dumps(v4.to_json(), indent=2) if args.format == "json" else v4.text())
-        return 0
-    result = planning.plan(config, layout_from_args(args), name=name)
+        result = planning.plan_dsv4(config, layout, name=name)
+    else:
+        result = planning.plan(config, layout, name=name)
+    refusal = planning.shortfall(result, layout)
+    if refusal:
+        raise shape.SizingError(refusal)
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))
+    elif isinstance(result, dsv4.Plan):
+        print(result.text())
     else:
         print(report.text(result))
     return 0

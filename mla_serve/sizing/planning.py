@@ -203,9 +203,10 @@ def _check_layout(shape: ModelShape, lay: Layout) -> None:
         raise SizingError(layout_error)
     moe_ranks = lay.tp * lay.pcp * lay.dp
     if lay.ep not in (1, moe_ranks):
+        valid = "1" if moe_ranks == 1 else f"1 (no expert parallelism) or {moe_ranks}"
         raise SizingError(
             f"--ep {lay.ep}: vLLM's expert-parallel group spans TP x PCP x DP = {moe_ranks} "
-            f"ranks (--enable-expert-parallel), so --ep must be 1 or {moe_ranks}"
+            f"rank(s) (--enable-expert-parallel), so --ep must be {valid}"
         )
     if lay.gpu_memory_bytes <= 0:
         raise SizingError("--gpu-memory-gib must be positive")
@@ -311,6 +312,49 @@ def plan_dsv4(config: dict[str, Any], layout: Layout, name: str = "") -> dsv4.Pl
         kv_tokens=kv_tokens,
         warnings=tuple(warnings),
         notes=tuple(notes),
+    )
+
+
+def shortfall(result: Plan | dsv4.Plan, layout: Layout) -> str | None:
+    """Why no KV cache fits on a rank, and what to change; None when one token fits.
+
+    `mla-serve plan` refuses such a layout with this line (vLLM would refuse to start). A
+    config without `quantization_config` has every weight counted as bf16: the usual cause
+    is a quantized checkpoint sized from its unquantized config, so the line names the flags
+    that give its format.
+    """
+    if result.kv_tokens > 0:
+        return None
+    workspace = result.workspace_bytes if isinstance(result, Plan) else 0
+    reserve = layout.reserve_bytes
+    budget = result.kv_budget_bytes
+    left = (
+        f"exceed {layout.gpu_memory_utilization} x {layout.gpu_memory_bytes / GiB:.2f} GiB by "
+        f"{-budget / GiB:.2f} GiB"
+        if budget < 0
+        else f"leave {budget:,} B, less than one token's KV cache"
+    )
+    line = (
+        f"no KV cache fits on a rank: weights {result.weights_bytes / GiB:.2f} GiB + workspace "
+        f"{workspace / GiB:.2f} + reserve {reserve / GiB:.2f} GiB {left}"
+    )
+    unquantized = (
+        result.weights_estimated
+        and not result.shape.quantization
+        and layout.weight_dtype is None
+        and layout.expert_dtype is None
+    )
+    if unquantized:
+        return (
+            f"{line}; the config has no quantization_config, so every weight counts as bf16: "
+            "for a quantized checkpoint give its format (--expert-dtype nvfp4 for routed "
+            "experts in NVFP4, as in nvidia/GLM-5.2-NVFP4; --weight-dtype for every linear "
+            "layer) or its measured size (--weights-gib), or add ranks"
+        )
+    more = ", lower --max-num-batched-tokens (the workspace)" if workspace else ""
+    return (
+        f"{line} (weights as {result.weight_scheme}); raise --gpu-memory-utilization, lower "
+        f"--reserve-gib to what vLLM measures{more}, or add ranks"
     )
 
 

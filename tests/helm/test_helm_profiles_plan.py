@@ -8,6 +8,7 @@ here.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from mla_serve import cli
 from tests.helm.helm_support import PROFILES, REPO, case_values, chart, run
 
 FIXTURES = REPO / "tests" / "fixtures" / "models"
@@ -128,15 +130,51 @@ def test_tp2_pcp2_profile_leaves_room_for_cutlass_autotuning() -> None:
 
 
 def test_bf16_glm52_would_not_fit() -> None:
-    """Why the GLM-5.2 profiles name the NVFP4 checkpoint."""
+    """Why the GLM-5.2 profiles name the NVFP4 checkpoint: with the BF16 config alone no KV
+    cache fits, and `plan` refuses, naming the flag that gives the experts' format."""
     values = profile_values("b200-tp2-pcp2")
     fixture, _ = MODELS[values["model"]["name"]]
     args = plan_args(values)
     bf16 = args[: args.index("--expert-dtype")]
     result = run(mla_serve() + bf16, cwd=REPO, timeout=120)
-    report = json.loads(result.stdout)
-    assert report["per_rank"]["kv_budget_bytes"] < 0
+    assert result.returncode == 2 and result.stdout == ""
+    assert "no KV cache fits on a rank: weights 357.58 GiB" in result.stderr
+    assert "--expert-dtype nvfp4" in result.stderr
     assert fixture == "GLM-5.2"
+
+
+def readme_plans() -> dict[str, list[str]]:
+    """The chart README's `mla-serve plan` command for each profile (after `# <profile>`)."""
+    text = (REPO / "helm" / "mla-serve" / "README.md").read_text()
+    block = text.split("**Sizing a profile with `mla-serve plan`**", 1)[1]
+    block = block.split("```sh\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands: dict[str, list[str]] = {}
+    profile = None
+    for line in block.splitlines():
+        if line.startswith("# "):
+            profile = line[2:].strip()
+        elif line.startswith("mla-serve plan ") and profile:
+            commands[profile] = shlex.split(line)[1:]
+    return commands
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_the_readme_gives_each_profiles_plan_flags(profile: str) -> None:
+    """A user plans a profile with the README's command: it must say what the profile's
+    values say (parsed by `mla-serve plan`'s own parser, so defaults may be left out),
+    the checkpoint format flags included, which the profile cannot state."""
+    documented = readme_plans().get(profile)
+    assert documented, f"helm/mla-serve/README.md gives no `mla-serve plan` for {profile}"
+    derived = plan_args(profile_values(profile))
+    derived = [a.replace(f"{REPO}/", "") for a in derived]
+    at = derived.index("--format")
+    del derived[at : at + 2]
+    expected = " ".join(["mla-serve", *derived])
+    assert parsed(documented) == parsed(derived), f"{profile}: the README should say {expected}"
+
+
+def parsed(argv: list[str]) -> dict[str, Any]:
+    return {k: v for k, v in vars(cli.parser().parse_args(argv)).items() if k != "run"}
 
 
 def test_dcp_profile_utilization_fits_a_full_request_with_the_evals_overhead() -> None:
