@@ -12,6 +12,8 @@ import hashlib
 import io
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -127,6 +129,46 @@ def test_make_image_builds_one_image_per_platform() -> None:
         check=True,
     )
     assert traced.stdout.splitlines() == ["[] []"]
+
+
+def _image_tags(make_args: list[str]) -> list[str]:
+    """The tags `make image ARGS` builds (build.sh's IMAGE, one per platform)."""
+    script = _make_n("image", *make_args)
+    traced = subprocess.run(
+        ["bash", "-c", script.replace("docker/build.sh", _SHOW % "$IMAGE")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return traced.stdout.splitlines()
+
+
+@pytest.mark.parametrize("readme", ["README.md", "docker/README.md"])
+def test_the_readmes_push_only_tags_make_image_builds(readme: str) -> None:
+    """Every `docker push TAG` and `make image-manifest IMAGE=T` in the README's examples pushes
+    what the `make image` before it in the same block really tagged (its dry run): `make
+    image` tags `<tag>-amd64` and `<tag>-arm64`, never `<tag>` itself."""
+    text = (ROOT / readme).read_text()
+    blocks = re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S)
+    pushes = 0
+    for block in blocks:
+        built: set[str] = set()
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv[:2] == ["make", "image"]:  # without IMAGE=: build.sh's local default tag
+                built.update(tag for tag in _image_tags(argv[2:]) if tag)
+            elif argv[:2] == ["make", "image-manifest"]:
+                script = _make_n(*argv[1:])
+                pushed = re.findall(r"^docker push '([^']+)'$", script, re.M)
+                assert len(pushed) == 2, script
+                missing = set(pushed) - built
+                assert not missing, f"{readme}: {line}: pushes {missing}, built {built or 'none'}"
+                pushes += 1
+            elif argv[:2] == ["docker", "push"]:
+                assert argv[2] in built, f"{readme}: {line}: built only {built or 'nothing'}"
+                pushes += 1
+    assert pushes, f"{readme} shows no push"
 
 
 def _build_sh(tmp_path: Path, binfmt: Path, platform: str, engine: str) -> tuple[int, str, str]:

@@ -7,9 +7,10 @@ import os
 import re
 import subprocess
 import sys
+from itertools import takewhile
 from pathlib import Path
 
-from mla_serve.patching import catalog
+from mla_serve.patching import catalog, report
 from tests import trees, vllm_standin
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,3 +98,38 @@ def test_the_catalog_reader_for_make_and_scripts(tmp_path: Path):
     assert bad.stderr == f"mla-serve catalog: no fix catalog at {tmp_path}/catalog.toml\n"
     usage = subprocess.run([*command, "newest"], env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage:")
+
+
+def _code_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```[a-z]*\n(.*?)^```", path.read_text(encoding="utf-8"), re.M | re.S)
+
+
+def test_the_readmes_fix_tables_are_patches_list():
+    """README.md and patches/README.md show `mla-serve patches list`: each copy must be its
+    output for this catalog, word for word (paste what the assertion shows)."""
+    expected = report.matrix(catalog.load()) + "\n"
+    for name in ("README.md", "patches/README.md"):
+        tables = [b for b in _code_blocks(ROOT / name) if b.startswith("fix ")]
+        assert tables, f"{name} has no copy of `patches list`"
+        for table in tables:
+            assert table == expected, f"{name}: the `patches list` copy should be:\n{expected}"
+
+
+def test_the_readme_says_what_make_dist_applies_to_the_default_release():
+    """README.md's first lines say what `make dist` builds: the default release's wheel with
+    its backports, stated from the catalog ('no backport' only while the series is empty)."""
+    first = _code_blocks(ROOT / "README.md")[0].splitlines()
+    start = next(i for i, line in enumerate(first) if line.startswith("make dist "))
+    lines = [
+        first[start],
+        *takewhile(lambda line: line.lstrip().startswith("#"), first[start + 1 :]),
+    ]
+    comment = " ".join(line.split("#", 1)[1].strip() for line in lines)
+    patches = catalog.load().series(DEFAULT).patches
+    assert f"vLLM {DEFAULT}'s wheel" in comment, comment
+    assert f"vllm-{DEFAULT}+mla." in comment, comment
+    if not patches:
+        assert "no backport" in comment, f"{DEFAULT}'s series is empty: say so ({comment})"
+    else:
+        assert "no backport" not in comment, f"{DEFAULT} carries {len(patches)} backports"
+        assert f"{len(patches)} backport" in comment, f"say that {DEFAULT} carries {patches}"
