@@ -360,6 +360,20 @@ def test_apply_after_vllm_was_reinstalled_applies_the_series_again(tmp_path: Pat
     assert snapshot(target) == applied
 
 
+def test_a_manifest_of_another_vllm_version_is_replaced_not_compared(tmp_path: Path, capsys):
+    """vLLM replaced by another release keeps the old manifest (pip does not own it): it is
+    no record of this tree, and apply writes this one's."""
+    old = trees.clone("0.29.0", tmp_path / "old")
+    assert run(capsys, "patches", "apply", "--target", old)[0] == 0
+    target = trees.clone("0.28.0", tmp_path / "tree")
+    shutil.copy(old / "vllm" / manifest.FILENAME, target / "vllm" / manifest.FILENAME)
+    code, _, err = run(capsys, "patches", "apply", "--target", target)
+    assert code == 0, err
+    document = json.loads((target / "vllm" / manifest.FILENAME).read_text())
+    assert document["vllm_version"] == "0.28.0"
+    assert run(capsys, "patches", "verify", "--target", target)[0] == 0
+
+
 def test_apply_refuses_a_manifest_it_cannot_read(tmp_path: Path, capsys):
     target = trees.clone("0.29.0", tmp_path / "tree")
     assert run(capsys, "patches", "apply", "--target", target)[0] == 0

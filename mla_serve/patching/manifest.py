@@ -190,7 +190,8 @@ def _file_drifts(tree: VllmTree, document: dict[str, Any]) -> list[tuple[Drift, 
 
 
 def originals(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> dict[str, str | None]:
-    """Each file the manifest lists, as the release shipped it (None: it had no such file).
+    """Each file the manifest lists that the series touches, as the release shipped it
+    (None: it had no such file).
 
     Taken from the manifest's `originals`, or else recomputed by undoing the series on the
     file as it is now; either must hash to the manifest's `sha256_before`. A ManifestError
@@ -204,10 +205,13 @@ def originals(tree: VllmTree, document: dict[str, Any], catalog: Catalog) -> dic
         except diff.DiffError:
             continue  # plan() refuses it, naming the fix
     recorded = document.get("originals", {})
+    touched = {file_diff.path for file_diff in diffs}
     found: dict[str, str | None] = {}
     lost = []
     for row in document["files"]:
         name, before = row["path"], row.get("sha256_before")
+        if name not in touched:
+            continue  # no longer in the series (verify reports it): the plan does not need it
         if before is None:
             found[name] = None
             continue
