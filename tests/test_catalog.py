@@ -224,6 +224,7 @@ def test_a_release_without_a_backport_is_affected_applied_and_verified_as_such(
     assert err.splitlines()[0].startswith(
         "AFFECTED dcp-empty-shard-mask: vLLM 0.28.0 has the bug and mla-serve carries no backport"
     )
+    assert "patches apply" not in err  # it would not help: there is no backport to apply
     row_text = next(line for line in out.splitlines() if line.startswith("dcp-empty-shard-mask"))
     assert row_text.split()[1:4] == ["n/a", "AFFECTED:fail", "patched"]
     assert "AFFECTED = the release has the bug and mla-serve carries no backport" in out

@@ -244,7 +244,7 @@ def test_status_exits_1_where_a_fix_the_catalog_promises_is_missing(
         assert [line.split()[1] for line in err.splitlines() if line.startswith("MISSING")] == (
             missing
         )
-        assert f"{len(missing)} fix(es) not as the catalog says" in err
+        assert f"{len(missing)} fix(es) not as the catalog says (`mla-serve patches apply`" in err
         assert "Traceback" not in err
     target = trees.clone(release, tmp_path / "tree")
     assert run(capsys, "patches", "apply", "--target", target)[0] == 0

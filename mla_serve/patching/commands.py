@@ -9,7 +9,17 @@ import sys
 from pathlib import Path
 
 from mla_serve.patching import catalog as catalog_
-from mla_serve.patching import diff, dist, engine, journal, manifest, report, tree, wheel
+from mla_serve.patching import (
+    diff,
+    dist,
+    engine,
+    journal,
+    manifest,
+    probes,
+    report,
+    tree,
+    wheel,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -160,9 +170,14 @@ def _status(args: argparse.Namespace) -> int:
     for line in problems:
         print(line, file=sys.stderr)
     if problems:
+        unapplied = any(
+            s.status is catalog_.Status.PATCHED and not probes.proves(s.fix.on(release), s.probe)
+            for s in states
+        )
+        hint = " (`mla-serve patches apply` applies the series)" if unapplied else ""
         print(
             f"vLLM {found.version} at {found.root}: {len(problems)} fix(es) not as the catalog "
-            "says (`mla-serve patches apply` applies the series)",
+            f"says{hint}",
             file=sys.stderr,
         )
         return 1
