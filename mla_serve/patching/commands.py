@@ -151,6 +151,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     _describe(found, catalog.series(release))
     print(report.matrix(catalog, release, states))
+    print("\n".join(report.ahead_lines(catalog, release)))
     return 0
 
 

@@ -12,6 +12,7 @@ handed (tests/gpu/test_dsv4_prefill.py runs the real FlashMLA kernel).
 from __future__ import annotations
 
 import importlib
+
 import pytest
 import torch
 
@@ -225,4 +226,3 @@ def test_sm120_flashinfer_prefill_launches_no_empty_chunk(expect, monkeypatch):
         return
     layer._forward_prefill(**arguments)
     assert kernel.rows == [16]
-
