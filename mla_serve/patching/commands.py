@@ -1,4 +1,5 @@
-"""`mla-serve patches …`: list, status, apply, verify, repair, fetch, wheel, check-wheel."""
+"""`mla-serve patches …`: list, status, apply, verify, repair, fetch, wheel, check-wheel,
+deep-gemm."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 from mla_serve.patching import catalog as catalog_
-from mla_serve.patching import diff, dist, engine, journal, manifest, report, tree, wheel
+from mla_serve.patching import deep_gemm, diff, dist, engine, journal, manifest, report, tree, wheel
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -60,6 +61,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     fetch.add_argument("--python-only", action="store_true", help="skip compiled extensions")
     fetch.set_defaults(run=_fetch)
     _register_wheel(actions)
+    deep_gemm.register(actions)  # `patches deep-gemm`: mla_serve/patching/deep_gemm.py
 
 
 def _wheel_cache() -> Path:
