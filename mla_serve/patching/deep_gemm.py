@@ -87,7 +87,7 @@ def _imports_external_first(found: tree_.VllmTree) -> bool:
     source = found.read(WRAPPER)
     if source is None:
         return False
-    lines = {}
+    lines: dict[str, int] = {}
     for node in ast.walk(ast.parse(source, filename=WRAPPER)):
         if (
             isinstance(node, ast.Call)
@@ -97,7 +97,7 @@ def _imports_external_first(found: tree_.VllmTree) -> bool:
             and isinstance(node.args[0], ast.Constant)
             and node.args[0].value in (NAME, f"vllm.third_party.{NAME}")
         ):
-            lines.setdefault(node.args[0].value, node.lineno)
+            lines.setdefault(str(node.args[0].value), node.lineno)
     if NAME not in lines:
         return False
     return lines[NAME] < lines.get(f"vllm.third_party.{NAME}", sys.maxsize)
