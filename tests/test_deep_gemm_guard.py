@@ -129,3 +129,20 @@ def test_every_release_imports_a_separate_deep_gemm_first(release: str):
     """What the guard is for: vLLM 0.27.1 to 0.33.0 all prefer a separately installed one."""
     resolution = deep_gemm.resolve(tree.locate(trees.pristine(release)), [])
     assert resolution.external_first
+
+
+SCHEDULER = "vllm/third_party/deep_gemm/include/deep_gemm/scheduler/sm90_paged_mqa_logits.cuh"
+
+
+@pytest.mark.parametrize("release", trees.RELEASES)
+def test_the_vendored_deep_gemm_schedules_all_zero_lengths_without_reading_past_them(
+    release: str,
+):
+    """Why vLLM's own DeepGEMM is the one to serve with: the SM90 paged-MQA metadata
+    kernel it JIT-compiles from these headers returns early when every context length is
+    zero (the FULL-capture crash of vLLM issues 51970 and 53320) from vLLM 0.28.0 on;
+    0.27.1's reads prefix_sum[batch_size]. A DeepGEMM installed beside vLLM may be older."""
+    with zipfile.ZipFile(wheel.fetch(release, trees.CACHE / "wheels")) as archive:
+        header = archive.read(SCHEDULER).decode()
+    fixed = tuple(int(part) for part in release.split(".")) >= (0, 28, 0)
+    assert ("if (total == 0)" in header and "min(lo, batch_size - 1)" in header) is fixed
