@@ -215,8 +215,10 @@ def test_status_json_has_the_documented_shape(tmp_path: Path, capsys):
         "status": "patched",
         "probe": "fail",
         "detail": by_id["dcp-empty-shard-mask"]["detail"],
+        "ahead_of_upstream": False,  # upstream's fix, merged in 0.30.0
     }
     assert by_id["dsv4-c128a-capacity-stride"]["probe"] == "pass"
+    assert by_id["kv-cache-memory-suggestion"]["ahead_of_upstream"] is True  # no release has it
 
 
 def test_status_text_shows_the_matrix_with_this_trees_probes(capsys):
@@ -225,6 +227,10 @@ def test_status_text_shows_the_matrix_with_this_trees_probes(capsys):
     assert "[0.27.1]" in out
     row = next(line for line in out.splitlines() if line.startswith("dsv4-c128a-capacity-stride"))
     assert row.split()[1:3] == ["patched:fail", "upstream"]
+    # The fixes 0.27.1 gets from mla-serve ahead of upstream, with their pull requests.
+    ahead = out[out.index("ahead of upstream: 2 fix(es) in no vLLM release yet") :].splitlines()
+    assert ahead[1].startswith("  dsv4-zero-query-prefill-chunk: upstream pull request open (")
+    assert "vllm/pull/57983" in ahead[2]
 
 
 def test_unknown_release_and_non_trees_are_refused_clearly(tmp_path: Path, capsys):
