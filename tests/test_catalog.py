@@ -354,3 +354,24 @@ def test_unreachable_proves_only_a_verdict():
         assert probes.proves(claim, passing) and not probes.proves(claim, unreachable)
     affected = catalog_.ReleaseStatus(S.AFFECTED, "the bug")
     assert probes.proves(affected, failing) and not probes.proves(affected, passing)
+
+
+def test_patches_list_shows_each_fixs_origin(capsys: pytest.CaptureFixture[str]):
+    code, out, _ = run(capsys, "patches", "list", "--format", "json")
+    assert code == 0
+    origins = {f["id"]: f["origin"] for f in json.loads(out)["fixes"]}
+    assert origins["dcp-workspace-sizing"]["kind"] == "merged"
+    assert origins["dcp-workspace-sizing"]["release"] == "0.30.0"
+    pull = origins["kv-cache-memory-suggestion"]
+    assert (pull["kind"], pull["ahead_of_upstream"]) == ("pull-request", True)
+    assert pull["pull_request"] == "https://github.com/vllm-project/vllm/pull/57983"
+    assert pull["pull_request_tests"] == [
+        "tests/v1/worker/test_gpu_worker.py::test_kv_cache_suggestion_does_not_double_count_cudagraph"
+    ]
+    code, out, _ = run(capsys, "patches", "list", "--verbose")
+    block = out[out.index("kv-cache-memory-suggestion: ") :]
+    assert (
+        "  origin:   upstream pull request open (https://github.com/vllm-project/vllm/pull/57983)"
+        in block
+    )
+    assert "the pull request's, not run here:" in block
