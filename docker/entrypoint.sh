@@ -8,6 +8,8 @@
 #   anything else        run as given (`mla-serve ...`, `bash`, ...)
 # MLA_SERVE_ALLOW_DRIFT=1 starts vLLM even when the patched files no longer match the
 # manifest (the mismatch is still printed, and the plugin reports it to the sidecar).
+# `serve` also refuses when a separately installed deep_gemm would shadow the DeepGEMM vLLM
+# vendors (`mla-serve patches deep-gemm`); MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM=1 overrides.
 set -eu
 
 # Caches (Hugging Face, Triton, torch, vLLM) default to $HOME/.cache; an arbitrary UID
@@ -37,6 +39,14 @@ case "${command}" in
                 exit 1
             fi
             echo "mla-serve: starting anyway (MLA_SERVE_ALLOW_DRIFT=1)" >&2
+        fi
+        if ! mla-serve patches deep-gemm; then
+            if [ "${MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM:-0}" != 1 ]; then
+                echo "mla-serve: refusing to start with another DeepGEMM than vLLM's own" \
+                     "(MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM=1 overrides)" >&2
+                exit 1
+            fi
+            echo "mla-serve: starting anyway (MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM=1)" >&2
         fi
         exec vllm serve "$@"
         ;;

@@ -233,6 +233,8 @@ echo "-- mla-serve patches verify --manifest $MANIFEST"
 run "$IMAGE" mla-serve patches verify --manifest "$MANIFEST"
 echo "-- patches verify (the default manifest path links to $MANIFEST)"
 run "$IMAGE" patches verify
+echo "-- mla-serve patches deep-gemm (vLLM's vendored DeepGEMM is the one it loads)"
+run "$IMAGE" mla-serve patches deep-gemm
 echo "-- mla-serve sidecar --help"
 run "$IMAGE" mla-serve sidecar --help >"$STATE/sidecar-help.txt"
 head -2 "$STATE/sidecar-help.txt"

@@ -50,7 +50,7 @@ def write(
     """A catalog of one fix `demo` in tmp_path/patches, with backport files
     {release: file name}; returns its root."""
     root = tmp_path / "patches"
-    root.mkdir()
+    root.mkdir(parents=True)
     (root / "catalog.toml").write_text(
         f'default = "{default}"\nreleases = {releases}\n\n[[fix]]\n'
         'id = "demo"\ntitle = "t"\nsymptom = "s"\nmodels = []\nlayouts = []\nseeds = []\n'
@@ -99,8 +99,15 @@ def test_every_status_is_derived_from_the_range_the_upstream_fix_and_the_backpor
     assert loaded.default == "1.4.0"
 
 
+OPEN_PR = (
+    '\n[fix.origin]\nkind = "pull-request"\nurl = "https://github.com/vllm-project/vllm/pull/7"\n'
+)
+
+
 def test_a_bug_not_fixed_upstream_affects_every_release_from_the_first(tmp_path: Path):
-    root = write(tmp_path, 'affected = ["1.2.0", "1.4.0"]\nnot_affected = "n"\nbug = "b"\n')
+    root = write(
+        tmp_path, 'affected = ["1.2.0", "1.4.0"]\nnot_affected = "n"\nbug = "b"\n' + OPEN_PR
+    )
     assert [s for s, _ in statuses(root).values()] == [
         S.NOT_AFFECTED,
         S.NOT_AFFECTED,
@@ -150,6 +157,61 @@ def test_contradictory_facts_are_refused_naming_the_fix(
     with pytest.raises(catalog_.CatalogError) as error:
         catalog_.load(root)
     assert message in str(error.value)
+
+
+UNFIXED = 'affected = ["1.2.0", "1.4.0"]\nnot_affected = "n"\nbug = "b"\n'
+
+
+def test_each_fix_says_where_it_comes_from(tmp_path: Path):
+    """Upstream's release (fixed_upstream), upstream's open pull request, or ours."""
+    merged = catalog_.load(write(tmp_path / "a", FULL)).fix("demo").origin
+    assert (merged.kind, merged.release, merged.ahead) == ("merged", "1.3.0", False)
+    assert merged.describe() == "upstream, merged in vLLM 1.3.0"
+    pull = catalog_.load(
+        write(tmp_path / "b", UNFIXED + OPEN_PR + 'tests = ["tests/t.py::test_x"]\n')
+    ).fix("demo")
+    assert (pull.origin.kind, pull.origin.ahead) == ("pull-request", True)
+    assert pull.origin.tests == ("tests/t.py::test_x",)
+    assert "pull/7" in pull.origin.describe() and "no release" in pull.origin.describe()
+    ours = catalog_.load(
+        write(tmp_path / "c", UNFIXED + '\n[fix.origin]\nkind = "ours"\nnote = "why"\n')
+    ).fix("demo")
+    assert (ours.origin.kind, ours.origin.note, ours.origin.ahead) == ("ours", "why", True)
+    assert ours.origin.describe() == "ours: no upstream fix yet"
+
+
+@pytest.mark.parametrize(
+    ("fix", "message"),
+    [
+        (UNFIXED, "say where it comes from in [fix.origin]"),
+        (FULL + OPEN_PR, "fixed upstream in 1.3.0: that is its origin; drop [fix.origin]"),
+        (UNFIXED + '\n[fix.origin]\nkind = "merged"\n', "kind is pull-request or ours"),
+        (UNFIXED + '\n[fix.origin]\nkind = "pull-request"\n', "names it as url ="),
+        (
+            UNFIXED + '\n[fix.origin]\nkind = "pull-request"\nurl = "https://example.org/1"\n',
+            "names it as url =",
+        ),
+        (UNFIXED + OPEN_PR.replace("pull-request", "ours"), "has no pull request url"),
+        (UNFIXED + OPEN_PR + 'tests = ["test_x"]\n', "is not tests/FILE::function"),
+        (UNFIXED + OPEN_PR + 'merged_in = "1.4.0"\n', "unknown key(s) merged_in"),
+    ],
+)
+def test_an_origin_that_contradicts_the_facts_is_refused(tmp_path: Path, fix: str, message: str):
+    with pytest.raises(catalog_.CatalogError) as error:
+        catalog_.load(write(tmp_path, fix))
+    assert message in str(error.value) and "fix demo" in str(error.value)
+
+
+def test_fixes_ahead_of_upstream_in_the_real_catalog():
+    """Every fix the default release needs from mla-serve alone is one whose upstream fix is
+    in no release (an open pull request, or none), and the catalog says which."""
+    for fix in CATALOG.fixes:
+        assert fix.origin.ahead is (fix.fixed_upstream is None), fix.id
+        if fix.origin.kind == "pull-request":
+            assert fix.origin.url and fix.origin.url in fix.upstream, fix.id
+            assert fix.origin.note, fix.id  # what of the pull request was followed
+    ahead = {f.id for f in CATALOG.fixes if f.on(CATALOG.default).status is S.PATCHED}
+    assert ahead and all(CATALOG.fix(i).origin.ahead for i in ahead)
 
 
 @pytest.mark.parametrize(
@@ -340,3 +402,24 @@ def _names(head: str, release: str) -> bool:
         if key(first) <= key(release) <= key(last or first):
             return True
     return False
+
+
+def test_patches_list_shows_each_fixs_origin(capsys: pytest.CaptureFixture[str]):
+    code, out, _ = run(capsys, "patches", "list", "--format", "json")
+    assert code == 0
+    origins = {f["id"]: f["origin"] for f in json.loads(out)["fixes"]}
+    assert origins["dcp-workspace-sizing"]["kind"] == "merged"
+    assert origins["dcp-workspace-sizing"]["release"] == "0.30.0"
+    pull = origins["kv-cache-memory-suggestion"]
+    assert (pull["kind"], pull["ahead_of_upstream"]) == ("pull-request", True)
+    assert pull["pull_request"] == "https://github.com/vllm-project/vllm/pull/57983"
+    assert pull["pull_request_tests"] == [
+        "tests/v1/worker/test_gpu_worker.py::test_kv_cache_suggestion_does_not_double_count_cudagraph"
+    ]
+    code, out, _ = run(capsys, "patches", "list", "--verbose")
+    block = out[out.index("kv-cache-memory-suggestion: ") :]
+    assert (
+        "  origin:   upstream pull request open (https://github.com/vllm-project/vllm/pull/57983)"
+        in block
+    )
+    assert "the pull request's, not run here:" in block

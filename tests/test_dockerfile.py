@@ -133,6 +133,18 @@ def test_the_series_is_applied_and_verified_in_one_layer_at_the_fixed_manifest_p
     assert "site-packages" not in DOCKERFILE.read_text()
 
 
+def test_the_image_keeps_only_vllms_own_deep_gemm() -> None:
+    """After the series layer: the guard runs, a pip DeepGEMM in the base is uninstalled by
+    its distribution, and the guard must pass afterwards."""
+    rows = [rest for word, rest in _instructions() if word == "RUN"]
+    series = next(i for i, rest in enumerate(rows) if "patches apply" in rest)
+    (layer,) = [rest for rest in rows if "patches deep-gemm" in rest]
+    assert rows.index(layer) > series
+    uninstall = layer.index("pip uninstall --yes")
+    assert layer.index("packages_distributions") < uninstall
+    assert layer.rindex("mla-serve patches deep-gemm") > uninstall
+
+
 def test_labels_summarise_the_manifest() -> None:
     (label,) = [rest for word, rest in _instructions() if word == "LABEL"]
     for key, value in (
@@ -168,7 +180,8 @@ def stub_path(tmp_path: Path) -> Path:
         stub.write_text(
             "#!/bin/sh\n"
             f'echo "{name} $*" >> "$STUB_LOG"\n'
-            'case "$*" in "patches verify"*) exit "${STUB_VERIFY_RC:-0}";; esac\n'
+            'case "$*" in "patches verify"*) exit "${STUB_VERIFY_RC:-0}";;\n'
+            '  "patches deep-gemm"*) exit "${STUB_DEEP_GEMM_RC:-0}";; esac\n'
         )
         stub.chmod(0o755)
     return bin_dir
@@ -202,6 +215,7 @@ def test_serve_checks_the_manifest_then_runs_vllm_serve_with_the_profile_args(
     assert code == 0
     assert calls == [
         f"mla-serve patches verify --manifest {MANIFEST}",
+        "mla-serve patches deep-gemm",
         "vllm serve zai-org/GLM-5 -tp 4",
     ]
 
@@ -223,6 +237,26 @@ def test_serve_refuses_a_drifted_tree_unless_allowed(stub_path: Path, tmp_path: 
     assert code == 0
     assert calls[-1] == "vllm serve m"
     assert "starting anyway" in err
+
+
+def test_serve_refuses_another_deep_gemm_than_vllms_own_unless_allowed(
+    stub_path: Path, tmp_path: Path
+) -> None:
+    code, calls, err = _entrypoint(stub_path, tmp_path, "serve", "m", STUB_DEEP_GEMM_RC="1")
+    assert code == 1
+    assert calls[-1] == "mla-serve patches deep-gemm"
+    assert "refusing to start with another DeepGEMM" in err
+    code, calls, err = _entrypoint(
+        stub_path,
+        tmp_path,
+        "serve",
+        "m",
+        STUB_DEEP_GEMM_RC="1",
+        MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM="1",
+    )
+    assert code == 0
+    assert calls[-1] == "vllm serve m"
+    assert "starting anyway (MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM=1)" in err
 
 
 def test_sidecar_patches_and_other_commands(stub_path: Path, tmp_path: Path) -> None:

@@ -72,18 +72,15 @@ def test_apply_fixes_every_probe_and_twice_is_a_no_op(release: str, tmp_path: Pa
     assert code == 0 and "matches" in out
 
 
-# Releases where every fix is upstream (or the code absent): the first and the newest.
-NOTHING_TO_DO = [
-    r
-    for r in trees.RELEASES
-    if all(f.on(r).status in (catalog_.Status.UPSTREAM, catalog_.Status.NOT_AFFECTED)
-           for f in CATALOG.fixes)
-    and any(f.on(r).status is catalog_.Status.UPSTREAM for f in CATALOG.fixes)
-]  # fmt: skip
+# Releases without a backport (an empty series: every fix upstream, absent, or affected with
+# no backport carried): the first and the newest.
+NOTHING_TO_DO = [r for r in trees.RELEASES if not CATALOG.series(r).patches]
 
 
 @pytest.mark.parametrize("release", sorted(set(NOTHING_TO_DO[:1] + NOTHING_TO_DO[-1:])))
-def test_upstream_release_needs_nothing_and_records_why(release: str, tmp_path: Path, capsys):
+def test_a_release_without_backports_changes_nothing_and_records_why(
+    release: str, tmp_path: Path, capsys
+):
     target = trees.clone(release, tmp_path / "tree")
     before = snapshot(target)
     code, out, _ = run(capsys, "patches", "apply", "--target", target)
@@ -92,7 +89,7 @@ def test_upstream_release_needs_nothing_and_records_why(release: str, tmp_path: 
     assert document["files"] == []
     statuses = {f["id"]: f["status"] for f in document["fixes"]}
     assert statuses == {f.id: f.on(release).status.value for f in CATALOG.fixes}
-    assert set(statuses.values()) <= {"upstream", "not-affected"}
+    assert set(statuses.values()) <= {"upstream", "not-affected", "affected"}
     assert all(f["reason"] for f in document["fixes"])
     after = snapshot(target)
     del after[f"vllm/{manifest.FILENAME}"]
@@ -218,8 +215,10 @@ def test_status_json_has_the_documented_shape(tmp_path: Path, capsys):
         "status": "patched",
         "probe": "fail",
         "detail": by_id["dcp-empty-shard-mask"]["detail"],
+        "ahead_of_upstream": False,  # upstream's fix, merged in 0.30.0
     }
     assert by_id["dsv4-c128a-capacity-stride"]["probe"] == "pass"
+    assert by_id["kv-cache-memory-suggestion"]["ahead_of_upstream"] is True  # no release has it
 
 
 def test_status_text_shows_the_matrix_with_this_trees_probes(capsys):
@@ -228,6 +227,10 @@ def test_status_text_shows_the_matrix_with_this_trees_probes(capsys):
     assert "[0.27.1]" in out
     row = next(line for line in out.splitlines() if line.startswith("dsv4-c128a-capacity-stride"))
     assert row.split()[1:3] == ["patched:fail", "upstream"]
+    # The fixes 0.27.1 gets from mla-serve ahead of upstream, with their pull requests.
+    ahead = out[out.index("ahead of upstream: 2 fix(es) in no vLLM release yet") :].splitlines()
+    assert ahead[1].startswith("  dsv4-zero-query-prefill-chunk: upstream pull request open (")
+    assert "vllm/pull/57983" in ahead[2]
 
 
 @pytest.mark.parametrize("release", AFFECTED)
@@ -419,21 +422,30 @@ def test_every_patch_carries_dep3_headers():
                 assert f"\n{field}" in f"\n{header}", (release, name, field)
 
 
-# Undo each fix in upstream's own code (the default release; `[fix.regression]` in the
-# catalog): its probe must notice, or a "pass" on releases that carry the fix would prove
-# nothing.
+# Undo each fix in the default release's code (`[fix.regression]` in the catalog): where it
+# ships upstream's fix, as released; where mla-serve patches it, with its series applied and
+# the fix undone another way than the release shipped it. The probe must notice, or its
+# pass on trees that carry the fix would prove nothing.
 @pytest.mark.parametrize("fix_id", [f.id for f in CATALOG.fixes])
-def test_probe_fails_when_upstreams_fix_is_undone(fix_id: str, tmp_path: Path):
+def test_probe_fails_when_the_fix_is_undone(fix_id: str, tmp_path: Path):
     assert {f.id for f in CATALOG.fixes} == set(probes.PROBES), "one probe per fix"
     fix = CATALOG.fix(fix_id)
-    if fix.on(trees.DEFAULT_RELEASE).status is not catalog_.Status.UPSTREAM:
-        assert fix.regression is None, "a regression undoes upstream's fix in the default release"
-        pytest.skip(f"{trees.DEFAULT_RELEASE} does not ship upstream's fix for {fix_id}")
+    status = fix.on(trees.DEFAULT_RELEASE).status
+    if status not in (catalog_.Status.UPSTREAM, catalog_.Status.PATCHED):
+        assert fix.regression is None, "a regression undoes a fix the default release has"
+        pytest.skip(f"{trees.DEFAULT_RELEASE} has no fix for {fix_id} (status {status.value})")
     assert fix.regression is not None, f"{fix_id}: the catalog names no [fix.regression]"
-    target = trees.clone(trees.DEFAULT_RELEASE, tmp_path / "tree")
+    if status is catalog_.Status.UPSTREAM:
+        target = trees.clone(trees.DEFAULT_RELEASE, tmp_path / "tree")
+    else:
+        target = trees.patched(trees.DEFAULT_RELEASE, tmp_path / "tree", tmp_path / "m.json")
     path, old, new = fix.regression.file, fix.regression.old, fix.regression.new
     source = (target / path).read_text()
     assert source.count(old) == 1, f"the {trees.DEFAULT_RELEASE} code moved; update the regression"
     assert probes.run(fix_id, tree.locate(target)).passed
     trees.edit(target / path, source.replace(old, new))
-    assert not probes.run(fix_id, tree.locate(target)).passed
+    result = probes.run(fix_id, tree.locate(target))
+    assert not result.passed, result.detail
+    if status is catalog_.Status.PATCHED:  # undone another way than the release shipped it
+        shipped = (trees.pristine(trees.DEFAULT_RELEASE) / path).read_text()
+        assert source.replace(old, new) != shipped

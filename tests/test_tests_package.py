@@ -25,7 +25,7 @@ SCRIPTS = [
     "tests.bench.bench_patches", "tests.bench.bench_sidecar", "tests.bench.bench_passthrough",
     "tests.bench.bench_loops", "tests.bench.bench_replay", "tests.bench.passthrough.replay",
     "tests.bench.passthrough.upstream", "tests.bench.passthrough.floor",
-    "tests.bench.bench_hot_path",
+    "tests.bench.bench_hot_path", "tests.gpu.dsv4_prefill", "tests.e2e.kv_suggestion",
 ]  # fmt: skip
 
 

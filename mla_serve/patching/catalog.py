@@ -87,10 +87,43 @@ class UpstreamTests:
         return tuple(sorted(names))
 
 
+class OriginKind(StrEnum):
+    MERGED = "merged"  # upstream's fix ships in a release (`fixed_upstream`)
+    PULL_REQUEST = "pull-request"  # upstream has a fix in an open pull request
+    OURS = "ours"  # no upstream fix yet: the fix is mla-serve's own
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a fix comes from: upstream's release that merged it, upstream's open pull
+    request, or mla-serve with no upstream fix yet. `tests` names the pull request's own
+    tests (not run here: CI reaches package registries only, and an open pull request's
+    tests are in no source distribution)."""
+
+    kind: OriginKind
+    release: str | None = None  # merged: the first release carrying the fix
+    url: str | None = None  # pull-request: the pull request
+    tests: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def ahead(self) -> bool:
+        """The fix is in no vLLM release: mla-serve carries it ahead of upstream."""
+        return self.kind is not OriginKind.MERGED
+
+    def describe(self) -> str:
+        if self.kind is OriginKind.MERGED:
+            return f"upstream, merged in vLLM {self.release}"
+        if self.kind is OriginKind.PULL_REQUEST:
+            return f"upstream pull request open ({self.url}), in no release yet"
+        return "ours: no upstream fix yet"
+
+
 @dataclass(frozen=True)
 class Regression:
-    """Upstream's fix undone in the default release's code: `old`, found once in `file`,
-    replaced by `new`. The fix's probe must fail on the result."""
+    """The fix undone in the default release's code: `old`, found once in `file`, replaced
+    by `new`, on the release as shipped where it carries upstream's fix, or on it with its
+    series applied where mla-serve patches it. The fix's probe must fail on the result."""
 
     file: str
     old: str
@@ -111,6 +144,7 @@ class Fix:
     affected: tuple[str, ...] = ()  # (first, last) release whose code has the bug; () none
     fixed_upstream: str | None = None  # first release carrying upstream's fix
     regression: Regression | None = None
+    origin: Origin = Origin(OriginKind.OURS)
 
     def on(self, release: str) -> ReleaseStatus:
         return self.releases[release]
@@ -303,6 +337,7 @@ def _fix(
         affected=affected,
         fixed_upstream=fixed,
         regression=_regression(fix_id, entry.get("regression")),
+        origin=_origin(fix_id, entry.get("origin"), fixed),
     )
 
 
@@ -343,6 +378,51 @@ def _claim(
     since = fixed if status is Status.UPSTREAM else None
     verdict = status is Status.NOT_AFFECTED and "not_affected" in override
     return ReleaseStatus(status, reason, patches, since, path, modes, verdict)
+
+
+_PULL_REQUEST = re.compile(r"^https://github\.com/vllm-project/vllm/pull/[0-9]+$")
+_ORIGIN_KEYS = {"kind", "url", "tests", "note"}
+
+
+def _origin(fix_id: str, raw: dict[str, Any] | None, fixed: str | None) -> Origin:
+    """A fix's origin: `fixed_upstream` says upstream merged it (then [fix.origin] must be
+    absent); otherwise [fix.origin] says whether a pull request is open or the fix is ours."""
+    where = f"fix {fix_id}"
+    if fixed is not None:
+        if raw is not None:
+            raise CatalogError(
+                f"{where} is fixed upstream in {fixed}: that is its origin; drop [fix.origin]"
+            )
+        return Origin(OriginKind.MERGED, release=fixed)
+    if raw is None:
+        raise CatalogError(
+            f"{where} has no upstream release with the fix: say where it comes from in "
+            '[fix.origin] (kind = "pull-request" with its url, or kind = "ours")'
+        )
+    if not set(raw) <= _ORIGIN_KEYS:
+        unknown = ", ".join(sorted(set(raw) - _ORIGIN_KEYS))
+        raise CatalogError(f"{where}: [fix.origin] has unknown key(s) {unknown}")
+    kind = raw.get("kind")
+    url = raw.get("url")
+    tests = tuple(raw.get("tests", ()))
+    if kind == OriginKind.PULL_REQUEST:
+        if not isinstance(url, str) or not _PULL_REQUEST.match(url):
+            raise CatalogError(
+                f"{where}: an origin of kind pull-request names it as "
+                'url = "https://github.com/vllm-project/vllm/pull/N"'
+            )
+    elif kind == OriginKind.OURS:
+        if url is not None or tests:
+            raise CatalogError(f"{where}: an origin of kind ours has no pull request url or tests")
+    else:
+        raise CatalogError(
+            f"{where}: [fix.origin] kind is pull-request or ours (merged fixes say "
+            f"fixed_upstream), not {kind!r}"
+        )
+    for test in tests:
+        if "::" not in test or not test.startswith("tests/"):
+            raise CatalogError(f"{where}: pull request test {test!r} is not tests/FILE::function")
+    return Origin(OriginKind(kind), url=url, tests=tests, note=raw.get("note", ""))
 
 
 def _regression(fix_id: str, raw: dict[str, str] | None) -> Regression | None:

@@ -1,4 +1,5 @@
-"""`mla-serve patches …`: list, status, apply, verify, repair, fetch, wheel, check-wheel."""
+"""`mla-serve patches …`: list, status, apply, verify, repair, fetch, wheel, check-wheel,
+deep-gemm."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from mla_serve.patching import catalog as catalog_
 from mla_serve.patching import (
+    deep_gemm,
     diff,
     dist,
     engine,
@@ -74,6 +76,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     fetch.add_argument("--python-only", action="store_true", help="skip compiled extensions")
     fetch.set_defaults(run=_fetch)
     _register_wheel(actions)
+    deep_gemm.register(actions)  # `patches deep-gemm`: mla_serve/patching/deep_gemm.py
 
 
 def _wheel_cache() -> Path:
@@ -166,6 +169,7 @@ def _status(args: argparse.Namespace) -> int:
     else:
         _describe(found, catalog.series(release))
         print(report.matrix(catalog, release, states))
+        print("\n".join(report.ahead_lines(catalog, release)))
     problems = report.not_in_place(release, states)
     for line in problems:
         print(line, file=sys.stderr)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mla_serve.patching import probes
-from mla_serve.patching.catalog import Catalog, Fix, ReleaseStatus, Status, UpstreamTests
+from mla_serve.patching.catalog import Catalog, Fix, Origin, ReleaseStatus, Status, UpstreamTests
 from mla_serve.patching.engine import FixState
 
 _SHORT = {
@@ -100,10 +100,44 @@ def catalog_json(catalog: Catalog) -> dict[str, Any]:
                     for release, claim in fix.releases.items()
                 },
                 "upstream_tests": _upstream_tests_json(fix.upstream_tests),
+                "origin": origin_json(fix.origin),
             }
             for fix in catalog.fixes
         ],
     }
+
+
+# ---- where each fix comes from (catalog [fix.origin] / fixed_upstream) -----------------
+
+
+def origin_json(origin: Origin) -> dict[str, Any]:
+    return {
+        "kind": origin.kind.value,
+        "release": origin.release,
+        "pull_request": origin.url,
+        "pull_request_tests": list(origin.tests),
+        "ahead_of_upstream": origin.ahead,
+        "note": origin.note,
+    }
+
+
+def ahead(catalog: Catalog, release: str) -> list[Fix]:
+    """The fixes mla-serve patches into `release` whose upstream fix is in no vLLM release."""
+    return [
+        fix
+        for fix in catalog.fixes
+        if fix.on(release).status is Status.PATCHED and fix.origin.ahead
+    ]
+
+
+def ahead_lines(catalog: Catalog, release: str) -> list[str]:
+    """`patches status`: which of the tree's fixes are ours ahead of upstream, and why."""
+    fixes = ahead(catalog, release)
+    if not fixes:
+        return [f"ahead of upstream: none (every fix vLLM {release} gets is in a vLLM release)"]
+    lines = [f"ahead of upstream: {len(fixes)} fix(es) in no vLLM release yet"]
+    lines += [f"  {fix.id}: {fix.origin.describe()}" for fix in fixes]
+    return lines
 
 
 def states_json(version: str, release: str, states: list[FixState]) -> dict[str, Any]:
@@ -116,6 +150,7 @@ def states_json(version: str, release: str, states: list[FixState]) -> dict[str,
                 "status": s.status.value,
                 "probe": s.probe.word,
                 "detail": s.probe.detail,
+                "ahead_of_upstream": s.status is Status.PATCHED and s.fix.origin.ahead,
             }
             for s in states
         ],
@@ -138,10 +173,15 @@ def _upstream_tests_json(tests: UpstreamTests | None) -> dict[str, Any] | None:
     }
 
 
-def _proof(tests: UpstreamTests | None) -> list[str]:
+def _proof(tests: UpstreamTests | None, origin: Origin) -> list[str]:
     """`patches list --verbose`: the upstream tests that prove a fix, and those left out."""
+    if tests is None and origin.tests:
+        lines = ["  proven by: no released upstream test; the pull request's, not run here:"]
+        lines += [f"    {name}" for name in origin.tests]
+        return lines + ([f"    note: {origin.note}"] if origin.note else [])
     if tests is None:
-        return ["  proven by: no upstream test"]
+        note = [f"    note: {origin.note}"] if origin.note else []
+        return ["  proven by: no upstream test", *note]
     lines = [f"  proven by upstream's tests (vLLM {tests.sdist} sdist, run unchanged):"]
     for kind, names in (("cpu", tests.cpu), ("gpu", tests.gpu)):
         lines += [f"    {kind}  {name.removesuffix('::')}" for name in names]
@@ -193,6 +233,7 @@ def details(catalog: Catalog) -> str:
             f"  models:   {', '.join(fix.models)}",
             f"  layouts:  {', '.join(fix.layouts)}",
             f"  upstream: {', '.join(fix.upstream)}",
+            f"  origin:   {fix.origin.describe()}",
         ]
         for releases, claim in _grouped(catalog, fix, lambda c: (c.status, c.reason, c.verdict)):
             verdict = " (verdict)" if claim.verdict else ""
@@ -202,6 +243,6 @@ def details(catalog: Catalog) -> str:
                 modes = f" [{', '.join(claim.modes)}]" if claim.modes else ""
                 bare = " (AFFECTED: no backport)" if claim.status is Status.AFFECTED else ""
                 lines.append(f"  path {releases}{modes}{bare}: {claim.path}")
-        lines += _proof(fix.upstream_tests)
+        lines += _proof(fix.upstream_tests, fix.origin)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

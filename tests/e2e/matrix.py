@@ -217,6 +217,9 @@ def main() -> int:
         env = {"VLLM_GPU_SYNC_CHECK": "warn"} if layout["parallel"]["dcp"] > 1 else {}
         if not binding[release][0]:
             paths = [str(STANDINS), *paths]
+            # The stand-in shadows the release's vendored DeepGEMM on purpose: the entrypoint's
+            # check (`mla-serve patches deep-gemm`) would rightly refuse it otherwise.
+            env["MLA_SERVE_ALLOW_EXTERNAL_DEEP_GEMM"] = "1"
             notes["deep_gemm"] = (
                 "TEST-ONLY STAND-IN tests/e2e/standins/deep_gemm: the release's "
                 f"binding fails to load ({binding[release][1]})"

@@ -2,31 +2,38 @@
 
 For each packed release: the files of its pristine tree that the GPU suite
 imports (its import closure, found by importing those modules here on the CPU;
-the patched tree is made there by `mla-serve patches apply`), as one .tar.xz.
+the patched tree is made there by `mla-serve patches apply`), and from its wheel the
+compiled FlashMLA kernels with their Python interface (tests/gpu/dsv4_prefill.py runs the
+sparse prefill kernel), as one .tar.xz.
 Plus the light cp312 wheels of tests/gpu/wheels.txt (tests/carry.py), and upstream's
 CUDA tests for the fixes (catalog `gpu`), unchanged from vLLM's sdists, in
 upstream-tests/<release>/ (tests/upstream.py reads them there).
 
     python -m tests.gpu.pack --out build/gpu-pack   # from the repository root
+    python -m tests.gpu.pack --releases 0.33.0     # some of them (a pack carries 64 MiB)
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
+from datetime import datetime
 from pathlib import Path
 
+from mla_serve.patching import wheel
 from tests import carry, trees, upstream
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The releases we patch, and the default one (patches/catalog.toml).
-RELEASES = (*trees.PATCHED_RELEASES, trees.DEFAULT_RELEASE)
+# The releases we patch, and the default one (patches/catalog.toml), each once.
+RELEASES = tuple(dict.fromkeys((*trees.PATCHED_RELEASES, trees.DEFAULT_RELEASE)))
 LIMIT_MIB = 56  # leaves room for the repository itself in the 64 MiB a run carries
 IMPORTS = (
     "vllm.forward_context",
@@ -115,10 +122,29 @@ def closure(release: str) -> list[str]:
     return sorted(files)
 
 
+def kernels(release: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
+    """From the release's wheel: the compiled FlashMLA kernels and their Python interface
+    (vllm/third_party is left out of the pure-Python trees)."""
+    with zipfile.ZipFile(wheel.fetch(release, trees.CACHE / "wheels")) as archive:
+        return [
+            (info, archive.read(info))
+            for info in archive.infolist()
+            if info.filename in ("vllm/_flashmla_C.abi3.so", "vllm/third_party/__init__.py")
+            or info.filename.startswith("vllm/third_party/flashmla/")
+        ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-pack")
+    parser.add_argument(
+        "--releases", nargs="+", default=list(RELEASES), metavar="X.Y.Z",
+        help=f"the releases to pack (default: {' '.join(RELEASES)})",
+    )  # fmt: skip
     args = parser.parse_args()
+    unknown = sorted(set(args.releases) - set(trees.RELEASES))
+    if unknown:
+        parser.error(f"not a supported release: {', '.join(unknown)}")
     shutil.rmtree(args.out, ignore_errors=True)
     (args.out / "trees").mkdir(parents=True)
     for sdist, names in upstream_gpu_tests().items():  # upstream's CUDA tests, unchanged
@@ -128,12 +154,17 @@ def main() -> int:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source / name, target)
     sizes = {}
-    for release in RELEASES:
+    for release in dict.fromkeys(args.releases):
         files = closure(release)
         archive = args.out / "trees" / f"vllm-{release}.tar.xz"
         with tarfile.open(archive, "w:xz") as tar:
             for name in files:
                 tar.add(trees.pristine(release) / name, arcname=name)
+            for info, data in kernels(release):
+                member = tarfile.TarInfo(info.filename)
+                member.size, member.mode = len(data), 0o644
+                member.mtime = int(datetime(*info.date_time).timestamp())
+                tar.addfile(member, io.BytesIO(data))
         sizes[release] = {"files": len(files), "bytes": archive.stat().st_size}
         print(f"vLLM {release}: {len(files)} files, {archive.stat().st_size / 2**20:.1f} MiB")
     carry.wheels(ROOT / "tests" / "gpu" / "wheels.txt", args.out / "wheels")
