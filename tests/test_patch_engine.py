@@ -255,9 +255,19 @@ def test_status_exits_1_where_a_fix_the_catalog_promises_is_missing(
     assert code == 0 and err == ""
 
 
-def test_status_exits_0_on_a_release_that_ships_every_fix(capsys):
-    code, _, err = run(capsys, "patches", "status", "--target", trees.pristine(NOTHING_TO_DO[-1]))
-    assert code == 0 and err == ""
+@pytest.mark.parametrize("release", NOTHING_TO_DO[-1:])
+def test_status_exits_by_the_catalog_on_a_release_with_nothing_to_apply(release, capsys):
+    """A release with an empty series: 0 where every fix is upstream or not affected; 1 with
+    an AFFECTED line per fix the release has and mla-serve carries no backport for (and no
+    `apply` hint: there is nothing to apply)."""
+    affected = [f.id for f in CATALOG.fixes if f.on(release).status is catalog_.Status.AFFECTED]
+    code, _, err = run(capsys, "patches", "status", "--target", trees.pristine(release))
+    assert code == (1 if affected else 0), err
+    listed = [
+        line.split()[1].rstrip(":") for line in err.splitlines() if line.startswith("AFFECTED")
+    ]
+    assert listed == affected
+    assert "patches apply" not in err and "Traceback" not in err
 
 
 def _apply_then_edit(tmp_path: Path, capsys) -> tuple[Path, dict[str, str], Path]:
