@@ -297,8 +297,9 @@ class Tiny:
 
     def write(self, out: Path, heads: int = 64) -> Path:
         """Write the model directory `out` (created if missing) and return it."""
+        config = self.config_for(heads)  # refuses a variant the model has not
         out.mkdir(parents=True, exist_ok=True)
-        _dump(out / "config.json", self.config_for(heads))
+        _dump(out / "config.json", config)
         _dump(out / "tokenizer.json", json.loads(self.tokenizer.to_str()))
         _dump(out / "tokenizer_config.json", self.tokenizer_config())
         return out
@@ -602,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default=DEEPSEEK_V32.name)
     parser.add_argument("--heads", type=int, default=64, help="attention heads (64 or 32)")
     args = parser.parse_args(argv)
-    MODELS[args.model].write(args.out, args.heads)
+    tiny = MODELS[args.model]
+    if args.heads not in tiny.variants:
+        parser.error(f"--heads {args.heads}: {tiny.name} is made with {tiny.variants} heads")
+    tiny.write(args.out, args.heads)
     return 0
 
 
