@@ -147,3 +147,38 @@ def test_an_archive_travels_in_parts_and_is_joined_only_whole(
     (store / third.name).write_bytes(third.read_bytes())
     assert parts.join(store, joined) == 0
     assert joined.read_bytes() == archive.read_bytes()
+
+
+def test_the_moe_and_kda_modules_travel_apart_and_are_laid_over_each_stacks_tree(
+    module: bytes, tmp_path: Path
+) -> None:
+    """The release's carry leaves out the MoE and KDA modules, which go to ext-<release>;
+    a stack's tree gets both (matrix.prepare), and a store without the extension carry is
+    refused before anything starts."""
+    import fnmatch
+    import json
+
+    from tests.e2e import matrix, pack
+
+    with zipfile.ZipFile(wheel.fetch("0.33.0", ROOT / ".cache" / "wheels")) as zipped:
+        modules = [n for n in zipped.namelist() if n.endswith(".so")]
+    main = {n for n in modules if any(fnmatch.fnmatch(n, p) for p in pack.EXTENSIONS)}
+    extra = {n for n in modules if any(fnmatch.fnmatch(n, p) for p in pack.EXTRA_EXTENSIONS)}
+    assert extra == {"vllm/_moe_C_stable_libtorch.abi3.so", "vllm/_flashkda_C.abi3.so"}
+    assert not main & extra and MODULE in main
+
+    store, release = tmp_path / "store", "0.33.0"
+    tree = store / f"vllm-{release}" / "tree" / "vllm"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    (tree.parent.parent / "pack.json").write_text(
+        json.dumps({"extension_carry": {"name": f"ext-{release}"}})
+    )
+    assert matrix.missing_carries(store, release) == [f"ext-{release}"]
+    laid = store / f"ext-{release}" / "tree" / "vllm"
+    laid.mkdir(parents=True)
+    (laid / "_moe_C_stable_libtorch.abi3.so").write_bytes(module)
+    assert matrix.missing_carries(store, release) == []
+    stack_tree, _ = matrix.prepare(store, tmp_path / "work", release, "pristine")
+    assert (stack_tree / "vllm" / "__init__.py").is_file()
+    assert (stack_tree / "vllm" / "_moe_C_stable_libtorch.abi3.so").read_bytes() == module
