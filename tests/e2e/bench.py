@@ -914,7 +914,7 @@ def live_bodies(
     never = {str(i): -100 for i in (*tiny.stop_ids, tiny.token_id(THINK_END))}
 
     def body(thinking: bool, tokens: int) -> dict[str, Any]:
-        switch = {tiny.thinking_switch: thinking} if tiny.thinking_switch else {}
+        switch = {tiny.thinking_switch or "thinking": thinking}
         return {
             "messages": [{"role": "user", "content": "Tell me about sparse attention."}],
             "max_tokens": tokens, "temperature": 0, "logit_bias": never, "stream": True,

@@ -70,9 +70,10 @@ def never(tiny: Tiny) -> dict[str, int]:
 
 
 def thinking(tiny: Tiny, on: bool) -> dict[str, Any]:
-    """chat_template_kwargs asking `tiny` to think or not, by its template's own switch (none
-    for a model that always thinks)."""
-    return {tiny.thinking_switch: on} if tiny.thinking_switch else {}
+    """chat_template_kwargs asking `tiny` to think or not, by its template's own switch; a
+    model that always thinks (GLM-5.3) gets the `thinking` a client would send, which vLLM
+    ignores for it."""
+    return {tiny.thinking_switch or "thinking": on}
 
 
 @pytest.fixture(scope="session")
