@@ -59,9 +59,10 @@ models/deepseek_v4/nvidia/model.py: FlashInfer's DSv4 class is SM100's and SM120
   raises for any ratio but 1, 4, 128: ``_forward_decode``).
 * ``sliding_window=128``, ``index_topk=512``, ``index_n_heads=64``, ``index_head_dim=128``:
   DeepSeek-V4-Flash's. The indexer runs DeepGEMM's SM90 MQA-logits kernels (32 or 64
-  heads) over a 132-byte-per-entry fp8 K cache (128 fp8 + fp32 scale, ``DeepseekV4Indexer``);
-  its Q kernel asserts 128-wide heads; C4A attends to top-512 compressed entries plus the
-  128-token window (``combined_topk = round_up(top_k + window, 128)``).
+  heads) over an fp8 K cache of 132 bytes an entry, 128 fp8 and one fp32 scale per 128-wide
+  block (``DeepseekV4Indexer``, ``quant_block_size = 128``); C4A attends to the top-512
+  compressed entries plus the 128-token window
+  (``combined_topk = round_up(top_k + window, 128)``).
 * Block size 256: ``DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes``.
 * KV cache fp8 (fp8_ds_mla): demanded by the kernel. The FlashMLA layer's block format
   is fp8_ds_mla (``use_fp8_ds_mla_layout``), so ``--kv-cache-dtype auto`` becomes
