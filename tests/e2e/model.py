@@ -70,9 +70,10 @@ models/deepseek_v4/nvidia/model.py: FlashInfer's DSv4 class is SM100's and SM120
   ``_resolve_dsv4_kv_cache_dtype``) and sparse FlashMLA decode asserts an fp8 cache.
   Weights stay bf16: with no ``quantization_config`` the output projection takes the
   ``torch.bmm`` path (``deep_gemm_fp8_o_proj``), not DeepGEMM's fp8 einsum.
-* ``hidden_size=1024``, ``hc_mult=4``: the TileLang mHC kernels split the hidden size
-  over 128-thread blocks and the pre-norm GEMM's small-tile path wants
-  ``hc_mult * hidden`` a multiple of 1024 (mhc/tilelang_kernels.py).
+* ``hidden_size=1024``, ``hc_mult=4`` (DSv4's 4 streams): the TileLang mHC kernels split
+  the hidden size over 128-thread blocks (the fused post + pre-norm kernel falls back
+  otherwise) and the pre-norm GEMM asserts ``hc_mult * hidden`` a multiple of its 512
+  threads, 1024 on its small-tile path (model_executor/kernels/mhc/tilelang_kernels.py).
 * MoE, as DSv4 cannot run without it (every layer's FFN is ``DeepseekV4MoE``):
   ``mlp_layer_types`` one ``hash_moe`` layer (routed by the token id through
   ``tid2eid``) and two ``moe``; 16 routed experts (a count ``_moe_C``'s
