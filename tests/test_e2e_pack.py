@@ -69,7 +69,7 @@ def test_profiles_scale_to_two_hopper_gpus() -> None:
         assert flags["--tensor-parallel-size"] == str(tp)
         assert "--served-model-name" not in flags and "--host" not in flags
         kept = {f for f, _ in layouts.split(layout["chart_argv"][1:])} - set(layouts.REPLACED)
-        kept -= set(layouts.DROPPED) | set(layouts.PARALLEL)
+        kept -= set(layout["dropped"]) | set(layouts.PARALLEL)
         assert kept <= set(flags), (name, kept - set(flags))  # every other chart flag survives
     assert scaled["b200-tp2-pcp2"]["parallel"] == {"tp": 2, "pcp": 1, "dcp": 1}
     assert scaled["b200-tp1-pcp4-dcp4"]["parallel"] == {"tp": 2, "pcp": 1, "dcp": 2}
@@ -80,6 +80,40 @@ def test_profiles_scale_to_two_hopper_gpus() -> None:
     assert wide["gb300-tp4"]["parallel"] == {"tp": 4, "pcp": 1, "dcp": 1}
     assert wide["b200-tp1-pcp4-dcp4"]["parallel"] == {"tp": 1, "pcp": 4, "dcp": 4}
     assert wide["b200-tp1-pcp4-dcp4"]["changes"][0].startswith("--served-model-name")
+
+
+def test_each_profile_serves_its_own_family_on_one_and_two_gpus() -> None:
+    """dsv4-flash serves the tiny DeepSeek-V4-Flash and gb300-tp4 the tiny GLM-5.3-Flash, with
+    every flag of the chart's command line but the model's (parsers and expert parallelism
+    included), on two GPUs and, as PROFILE@1, on one; the GLM-5.2 profiles keep the V3.2."""
+    from tests.e2e import layouts, model
+
+    scaled = layouts.layouts(gpus=2)
+    for profile, tiny in (("dsv4-flash", model.DEEPSEEK_V4_FLASH),
+                          ("gb300-tp4", model.GLM53_FLASH)):  # fmt: skip
+        for name, tp in ((profile, 2), (f"{profile}@1", 1)):
+            layout = scaled[name]
+            assert layout["model"] == tiny.name and layout["model_dir"] == tiny.directory()
+            assert layout["served_model_name"] == tiny.served_name
+            assert layout["parallel"] == {"tp": tp, "pcp": 1, "dcp": 1}
+            assert not layout["dropped"], layout["dropped"]
+            chart = [a for a in layout["chart_argv"][1:] if a.split("=")[0] not in (
+                *layouts.REPLACED, *layouts.PARALLEL)]  # fmt: skip
+            assert set(chart) <= set(layout["argv"]), set(chart) - set(layout["argv"])
+            flags = dict(layouts.split(layout["argv"]))
+            assert flags["--reasoning-parser"] == tiny.reasoning_parser
+            assert flags["--tool-call-parser"] == tiny.tool_parser
+    assert "--enable-expert-parallel" in scaled["dsv4-flash@1"]["argv"]  # DSv4 has experts
+    for name in ("tp1", "b200-tp2-pcp2", "b200-tp1-pcp4@1"):
+        assert scaled[name]["model"] == model.DEEPSEEK_V32.name
+        assert "--reasoning-parser=deepseek_v3" in scaled[name]["argv"]
+    glm52 = scaled["b200-tp2-pcp2"]
+    assert "--tool-call-parser" in glm52["dropped"] and "--enable-expert-parallel" in glm52[
+        "dropped"]  # fmt: skip
+    # A layout of the tiny GLM-5.2 (its own family) keeps the profile's parsers.
+    own = layouts.scale("b200-tp2-pcp2", glm52["chart_argv"], 1, model.GLM52)
+    assert "--tool-call-parser=glm47" in own["argv"] and not own["dropped"]
+    assert own["argv"].count("--reasoning-parser=glm45") == 1
 
 
 def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:
@@ -113,3 +147,38 @@ def test_an_archive_travels_in_parts_and_is_joined_only_whole(
     (store / third.name).write_bytes(third.read_bytes())
     assert parts.join(store, joined) == 0
     assert joined.read_bytes() == archive.read_bytes()
+
+
+def test_the_moe_and_kda_modules_travel_apart_and_are_laid_over_each_stacks_tree(
+    module: bytes, tmp_path: Path
+) -> None:
+    """The release's carry leaves out the MoE and KDA modules, which go to ext-<release>;
+    a stack's tree gets both (matrix.prepare), and a store without the extension carry is
+    refused before anything starts."""
+    import fnmatch
+    import json
+
+    from tests.e2e import matrix, pack
+
+    with zipfile.ZipFile(wheel.fetch("0.33.0", ROOT / ".cache" / "wheels")) as zipped:
+        modules = [n for n in zipped.namelist() if n.endswith(".so")]
+    main = {n for n in modules if any(fnmatch.fnmatch(n, p) for p in pack.EXTENSIONS)}
+    extra = {n for n in modules if any(fnmatch.fnmatch(n, p) for p in pack.EXTRA_EXTENSIONS)}
+    assert extra == {"vllm/_moe_C_stable_libtorch.abi3.so", "vllm/_flashkda_C.abi3.so"}
+    assert not main & extra and MODULE in main
+
+    store, release = tmp_path / "store", "0.33.0"
+    tree = store / f"vllm-{release}" / "tree" / "vllm"
+    tree.mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    (tree.parent.parent / "pack.json").write_text(
+        json.dumps({"extension_carry": {"name": f"ext-{release}"}})
+    )
+    assert matrix.missing_carries(store, release) == [f"ext-{release}"]
+    laid = store / f"ext-{release}" / "tree" / "vllm"
+    laid.mkdir(parents=True)
+    (laid / "_moe_C_stable_libtorch.abi3.so").write_bytes(module)
+    assert matrix.missing_carries(store, release) == []
+    stack_tree, _ = matrix.prepare(store, tmp_path / "work", release, "pristine")
+    assert (stack_tree / "vllm" / "__init__.py").is_file()
+    assert (stack_tree / "vllm" / "_moe_C_stable_libtorch.abi3.so").read_bytes() == module

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.passthrough.envoy import envoy_config
+from tests.e2e.model import DEEPSEEK_V32, MODELS, THINK_END, Tiny
 from tests.http_server import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -877,6 +878,8 @@ def live_stack(args: argparse.Namespace, work: Path) -> tuple[Any, dict[str, Any
     layouts = json.loads((store / "common" / "layouts.json").read_text())
     if name not in layouts or state not in ("patched", "pristine"):
         raise ValueError(f"--spec {args.spec!r}: layouts {', '.join(sorted(layouts))}")
+    if missing := matrix.missing_carries(store, release):
+        raise ValueError(f"--spec {args.spec!r}: run 'run.sh unpack' on {', '.join(missing)}")
     layout = json.loads(json.dumps(layouts[name]))
     before = [a for a in layout["argv"] if a.startswith("--max-num-seqs")]
     layout["argv"] = [a for a in layout["argv"] if not a.startswith("--max-num-seqs")]
@@ -894,7 +897,7 @@ def live_stack(args: argparse.Namespace, work: Path) -> tuple[Any, dict[str, Any
         paths = [str(matrix.STANDINS), *paths]
         notes["deep_gemm"] = f"TEST-ONLY STAND-IN tests/e2e/standins/deep_gemm ({why})"
     notes["bench_layout_change"] = change
-    model = store / "common" / ("model" if layout["heads"] == 64 else f"model-h{layout['heads']}")
+    model = store / "common" / layout["model_dir"]
     stack = Stack(
         name=f"{release}-{name}-{state}-bench", release=release, layout=layout, state=state,
         tree=tree, model=model, work=work, index=0,
@@ -903,17 +906,20 @@ def live_stack(args: argparse.Namespace, work: Path) -> tuple[Any, dict[str, Any
     return stack, change
 
 
-def live_bodies(max_tokens: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from tests.e2e.model import CONFIG, THINK_END_ID
-
-    never = {str(CONFIG["eos_token_id"]): -100, str(THINK_END_ID): -100}
+def live_bodies(
+    max_tokens: int, tiny: Tiny = DEEPSEEK_V32
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A visible answer (thinking off) and a runaway (thinking on) of `tiny`; a model that
+    always thinks (GLM-5.3) reasons in both."""
+    never = {str(i): -100 for i in (*tiny.stop_ids, tiny.token_id(THINK_END))}
 
     def body(thinking: bool, tokens: int) -> dict[str, Any]:
+        switch = {tiny.thinking_switch or "thinking": thinking}
         return {
             "messages": [{"role": "user", "content": "Tell me about sparse attention."}],
             "max_tokens": tokens, "temperature": 0, "logit_bias": never, "stream": True,
             "stream_options": {"include_usage": True},
-            "extra_body": {"chat_template_kwargs": {"thinking": thinking}},
+            "extra_body": {"chat_template_kwargs": switch},
         }  # fmt: skip
 
     return [body(False, max_tokens), body(True, max_tokens)], body(False, 2)
@@ -1158,11 +1164,9 @@ def main(argv: list[str] | None = None) -> int:
             result["what"] = (f"CPU STAND-IN upstream {args.upstream_url} (speaks vLLM's "
                               "protocol; not a live engine)")  # fmt: skip
         else:
-            from tests.e2e.stack import MODEL_NAME
-
-            model = args.model or MODEL_NAME
-            bodies, warmup = live_bodies(args.max_tokens)
             stack, change = live_stack(args, work)
+            model = args.model or stack.model_name
+            bodies, warmup = live_bodies(args.max_tokens, MODELS[stack.layout["model"]])
             stack.start()
             outcome = stack.watch(min(args.engine_timeout, args.budget_s))
             result["stack"] = stack.record
@@ -1171,7 +1175,8 @@ def main(argv: list[str] | None = None) -> int:
             paths = {"direct": Path_("direct", stack.vllm_url)}
             paths["sidecar"] = Path_("sidecar", stack.sidecar_url,
                                      stack.processes["sidecar"].pid, stack.admin_url)  # fmt: skip
-            result["what"] = (f"LIVE vLLM {stack.release} ({args.spec}, tiny DeepSeek-V3.2, "
+            result["what"] = (f"LIVE vLLM {stack.release} ({args.spec}, "
+                              f"tiny {MODELS[stack.layout['model']].family}, "
                               f"CUDA graphs on) on this machine's GPU; layout change: "
                               f"{change['flag']}={change['to']}")  # fmt: skip
         if args.compare_src is not None:

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.model import MODELS, THINK_END, Tiny
+
 STACK_ENV = "MLA_SERVE_E2E_STACK"
 
 
@@ -51,6 +53,27 @@ def live(stack: dict[str, Any]) -> dict[str, Any]:
         tail = Path(stack["vllm_log"]).read_text(errors="replace").splitlines()[-40:]
         pytest.fail(f"the stack never became ready ({stack['startup']}):\n" + "\n".join(tail))
     return stack
+
+
+@pytest.fixture(scope="session")
+def tiny(live: dict[str, Any]) -> Tiny:
+    """The tiny model the stack serves (model.py)."""
+    return MODELS[live["tiny"]]
+
+
+@pytest.fixture(scope="session")
+def never(tiny: Tiny) -> dict[str, int]:
+    """logit_bias ruling out every stop token and `</think>`: dummy weights may pick them
+    greedily, so thinking-on output never leaves its reasoning and every reply reaches the
+    cap."""
+    return {str(token): -100 for token in (*tiny.stop_ids, tiny.token_id(THINK_END))}
+
+
+def thinking(tiny: Tiny, on: bool) -> dict[str, Any]:
+    """chat_template_kwargs asking `tiny` to think or not, by its template's own switch; a
+    model that always thinks (GLM-5.3) gets the `thinking` a client would send, which vLLM
+    ignores for it."""
+    return {tiny.thinking_switch or "thinking": on}
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@
 SPEC is `release:layout:state`, e.g. `0.29.0:b200-tp1-pcp4-dcp4:pristine`; the layouts
 are the pack's layouts.json (the Helm profiles' command lines, tests/e2e/layouts.py).
 The store is what `run.sh unpack` laid out: vllm-<release>/ (tree, CuTe DSL, wheels),
-deps-<version>/ (the CuTe DSL's libraries), common/ (wheels, models, layouts.json).
+ext-<release>/ (its MoE and KDA modules), deps-<version>/ (the CuTe DSL's libraries,
+TileLang), common/ (wheels, models, layouts.json).
 
 Per stack: its own copy of the release's tree (the fix series applied by `mla-serve
 patches apply`, as the image build does, or left pristine), ports, HOME and GPUs.
@@ -73,11 +74,26 @@ def deep_gemm_loads(tree: Path, paths: list[str]) -> tuple[bool, str]:
     return probe.returncode == 0, last
 
 
+def missing_carries(store: Path, release: str) -> list[str]:
+    """The release's carries `run.sh unpack` has not laid out in the store yet."""
+    meta = json.loads((store / f"vllm-{release}" / "pack.json").read_text())
+    extension = meta.get("extension_carry")
+    if extension and not (store / extension["name"] / "tree").is_dir():
+        return [extension["name"]]
+    return []
+
+
 def prepare(store: Path, work: Path, release: str, state: str) -> tuple[Path, dict[str, Any]]:
     """The stack's own tree: hard-linked from the store (the engine replaces files, never
-    writes into them), then patched by `mla-serve patches apply` unless pristine."""
+    writes into them) with the release's extension carry laid over it, then patched by
+    `mla-serve patches apply` unless pristine."""
     tree = work / "tree"
     shutil.copytree(store / f"vllm-{release}" / "tree", tree, copy_function=os.link)
+    meta = json.loads((store / f"vllm-{release}" / "pack.json").read_text())
+    if extension := meta.get("extension_carry"):
+        shutil.copytree(
+            store / extension["name"] / "tree", tree, copy_function=os.link, dirs_exist_ok=True
+        )
     notes: dict[str, Any] = {}
     if state == "patched":
         applied = subprocess.run(
@@ -193,6 +209,8 @@ def main() -> int:
             )
         if not (store / f"vllm-{parts[0]}" / "pack.json").is_file():
             parser.error(f"{spec!r}: no vllm-{parts[0]} in {store}: run 'run.sh unpack' first")
+        for missing in missing_carries(store, parts[0]):
+            parser.error(f"{spec!r}: no {missing} in {store}: run 'run.sh unpack' on it first")
     for index, spec in enumerate(args.specs):
         release, name, state = spec.split(":")
         layout = layouts[name]
@@ -224,9 +242,7 @@ def main() -> int:
                 "TEST-ONLY STAND-IN tests/e2e/standins/deep_gemm: the release's "
                 f"binding fails to load ({binding[release][1]})"
             )
-        model = (
-            store / "common" / ("model" if layout["heads"] == 64 else f"model-h{layout['heads']}")
-        )
+        model = store / "common" / layout["model_dir"]
         if layout["gpus"] > gpu_count:
             lines.append(
                 {

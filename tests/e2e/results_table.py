@@ -16,7 +16,9 @@ def layout_text(layout: dict[str, Any]) -> str:
     parts = [
         f"{axis.upper()}{parallel[axis]}" for axis in ("tp", "pcp", "dcp") if parallel[axis] > 1
     ]
-    return " x ".join(parts) or "TP1"
+    text = " x ".join(parts) or "TP1"
+    # Layouts from before the per-profile tiny models all served the tiny DeepSeek-V3.2.
+    return f"{text}, tiny {layout['model']}" if "model" in layout else text
 
 
 def row(summary: dict[str, Any]) -> str:

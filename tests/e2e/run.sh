@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make e2e`, on the GPU machine (no network). Three verbs:
-#   run.sh unpack DIR [DIR ...]    lay out carries of `make e2e-pack` (build/e2e/*) in the store
+#   run.sh unpack DIR [DIR ...]    lay out carries of `make e2e-pack` (build/e2e/*) in the store,
+#                                  in any order
 #   run.sh serve SPEC [SPEC ...]   start and test stacks (tests/e2e/matrix.py), SPEC being
 #                                  release:layout:state, e.g. 0.29.0:b200-tp1-pcp4-dcp4:pristine
 #   run.sh bench [ARGS ...]        the live benchmark (tests/e2e/bench.py): one stack, direct vs
@@ -37,6 +38,8 @@ case "$verb" in
           tar -xJf "$dir/vllm.tar.xz" -C "$dest/tree" || exit 2
           tar -xJf "$dir/site.tar.xz" -C "$STORE/deps-$dsl/site" || exit 2
           cp "$dir/pack.json" "$dest/" || exit 2 ;;
+        ext-*)  # the release's MoE and KDA modules, laid over its tree per stack (matrix.py)
+          mkdir -p "$dest/tree" && tar -xJf "$dir/ext.tar.xz" -C "$dest/tree" || exit 2 ;;
         envoy)  # the live benchmark's proxies: Envoy's and py-spy's wheels (checked above)
           $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$dest/site" \
             "$dir"/*.whl || exit 2 ;;

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_NAME = "tiny-deepseek-v3.2"
 
 
 def status_of(url: str, timeout: float = 1.0) -> int | str:
@@ -63,6 +62,11 @@ class Stack:
     expect: str = "serves"  # or "fails": a pristine tree where a fixed bug is reachable
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: the tiny model's (layouts.py)."""
+        return str(self.layout["served_model_name"])
 
     @property
     def vllm_url(self) -> str:
@@ -120,7 +124,7 @@ class Stack:
                 "--vllm-log",
                 str(vllm_log),
                 "--model",
-                MODEL_NAME,
+                self.model_name,
                 "--poll-interval",
                 "0.5",
             ],
@@ -133,7 +137,7 @@ class Stack:
         argv = [
             *self.layout["argv"],
             "--served-model-name",
-            MODEL_NAME,
+            self.model_name,
             "--host",
             "127.0.0.1",
             "--port",
@@ -156,7 +160,8 @@ class Stack:
             "vllm_url": self.vllm_url,
             "sidecar_url": self.sidecar_url,
             "admin_url": self.admin_url,
-            "model": MODEL_NAME,
+            "model": self.model_name,
+            "tiny": self.layout["model"],
             "model_dir": str(self.model),
             "engine_pgid": self.processes["engine"].pid,
             "sidecar_pid": self.processes["sidecar"].pid,

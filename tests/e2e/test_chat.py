@@ -3,7 +3,9 @@
 The dummy weights never close their reasoning: with thinking on and a small
 max_tokens every choice ends at the cap with reasoning only (a runaway); with
 thinking off the same tokens are visible content (a truncated answer, not a
-runaway). The sidecar's counters must tell the two apart.
+runaway). The sidecar's counters must tell the two apart. A model whose template
+has no thinking switch (GLM-5.3) always thinks: vLLM's parser ignores
+`thinking: false`, so there every reply at the cap is a runaway.
 """
 
 from __future__ import annotations
@@ -15,13 +17,11 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.model import CONFIG, THINK_END_ID
+from tests.e2e.conftest import thinking as switch
+from tests.e2e.model import Tiny
 from tests.scrape import count, samples
 
 MAX_TOKENS = 16
-# Dummy weights may pick EOS or `</think>` greedily: rule them out, so thinking-on output
-# never leaves its reasoning and every reply reaches the cap.
-NEVER = {str(CONFIG["eos_token_id"]): -100, str(THINK_END_ID): -100}
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,21 @@ def client(live: dict[str, Any]) -> openai.OpenAI:
     )
 
 
-def ask(client: openai.OpenAI, model: str, thinking: bool, **extra: Any) -> Any:
+def ask(
+    client: openai.OpenAI,
+    live: dict[str, Any],
+    tiny: Tiny,
+    never: dict[str, int],
+    thinking: bool,
+    **extra: Any,
+) -> Any:
     return client.chat.completions.create(
-        model=model,
+        model=live["model"],
         messages=[{"role": "user", "content": "Why do sparse attention kernels need a top-k?"}],
         max_tokens=MAX_TOKENS,
         temperature=0,
-        logit_bias=NEVER,
-        extra_body={"chat_template_kwargs": {"thinking": thinking}},
+        logit_bias=never,
+        extra_body={"chat_template_kwargs": switch(tiny, thinking)},
         **extra,
     )
 
@@ -47,44 +54,58 @@ def reasoning_of(message: Any) -> str:
     return str((message.model_extra or {}).get("reasoning") or "")  # vLLM 0.33.0's field
 
 
-def test_non_streaming_chat(client: openai.OpenAI, live: dict[str, Any]) -> None:
-    response = ask(client, live["model"], thinking=False)
+def test_non_streaming_chat(
+    client: openai.OpenAI, live: dict[str, Any], tiny: Tiny, never: dict[str, int]
+) -> None:
+    response = ask(client, live, tiny, never, thinking=False)
     (choice,) = response.choices
     assert response.model == live["model"]
     assert choice.finish_reason == "length"
-    assert choice.message.content and choice.message.content.strip()
+    if tiny.thinking_switch:
+        assert choice.message.content and choice.message.content.strip()
+    else:  # always thinks: the same tokens are reasoning, nothing visible
+        assert not (choice.message.content or "").strip()
+        assert reasoning_of(choice.message).strip()
     assert response.usage is not None and response.usage.completion_tokens == MAX_TOKENS
 
 
-def test_streaming_chat(client: openai.OpenAI, live: dict[str, Any]) -> None:
-    chunks = list(ask(client, live["model"], thinking=False, stream=True))
+def test_streaming_chat(
+    client: openai.OpenAI, live: dict[str, Any], tiny: Tiny, never: dict[str, int]
+) -> None:
+    chunks = list(ask(client, live, tiny, never, thinking=False, stream=True))
     # The sidecar asked vLLM for usage (to count runaway tokens) and stripped it again:
     # no usage-only chunk reaches a client that did not ask for one.
     assert all(c.choices for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    reasoning = "".join(reasoning_of(c.choices[0].delta) for c in chunks)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
-    assert len(chunks) > 2 and text.strip()
+    assert len(chunks) > 2 and (text if tiny.thinking_switch else reasoning).strip()
+    assert not (reasoning if tiny.thinking_switch else text).strip()
     assert finish == ["length"]
 
 
 def test_runaways_are_counted_and_truncated_answers_are_not(
-    client: openai.OpenAI, live: dict[str, Any]
+    client: openai.OpenAI, live: dict[str, Any], tiny: Tiny, never: dict[str, int]
 ) -> None:
     url, model = live["admin_url"], live["model"]
     runaways = count(url, "mla_serve_runaway_completions_total", model=model)
     tokens = count(url, "mla_serve_runaway_tokens_total", model=model)
     truncated = count(url, "mla_serve_completions_total", model=model, finish_reason="length")
 
-    plain = ask(client, model, thinking=True)
+    plain = ask(client, live, tiny, never, thinking=True)
     assert not (plain.choices[0].message.content or "").strip()
     assert reasoning_of(plain.choices[0].message), "the tokens went into reasoning"
-    streamed = list(ask(client, model, thinking=True, stream=True))
+    streamed = list(ask(client, live, tiny, never, thinking=True, stream=True))
     assert not "".join(c.choices[0].delta.content or "" for c in streamed if c.choices).strip()
-    visible = ask(client, model, thinking=False)
-    assert (visible.choices[0].message.content or "").strip()
+    visible = ask(client, live, tiny, never, thinking=False)
+    # A model that always thinks ignores the switch: its "visible" request ran away too.
+    expected = 2 if tiny.thinking_switch else 3
+    assert bool((visible.choices[0].message.content or "").strip()) == (expected == 2)
 
-    assert count(url, "mla_serve_runaway_completions_total", model=model) == runaways + 2
-    assert count(url, "mla_serve_runaway_tokens_total", model=model) == tokens + 2 * MAX_TOKENS
+    assert count(url, "mla_serve_runaway_completions_total", model=model) == runaways + expected
+    assert (
+        count(url, "mla_serve_runaway_tokens_total", model=model) == tokens + expected * MAX_TOKENS
+    )
     assert (
         count(url, "mla_serve_completions_total", model=model, finish_reason="length")
         == truncated + 3
@@ -107,7 +128,9 @@ def test_sidecar_and_vllm_count_the_same_finished_requests(live: dict[str, Any])
     assert ours and ours == theirs
 
 
-def test_record_vllms_own_streams(live: dict[str, Any], keep: Any) -> None:
+def test_record_vllms_own_streams(
+    live: dict[str, Any], keep: Any, tiny: Tiny, never: dict[str, int]
+) -> None:
     """vLLM's raw SSE bytes and their arrival times, direct from the engine, kept with the
     results: the recorded streams the CPU replay benchmark plays back (not stand-in bodies)."""
     recorded = []
@@ -116,8 +139,8 @@ def test_record_vllms_own_streams(live: dict[str, Any], keep: Any) -> None:
             body: dict[str, Any] = {
                 "model": live["model"],
                 "messages": [{"role": "user", "content": "Tell me about sparse attention."}],
-                "max_tokens": 64, "temperature": 0, "logit_bias": NEVER, "stream": True,
-                "chat_template_kwargs": {"thinking": thinking},
+                "max_tokens": 64, "temperature": 0, "logit_bias": never, "stream": True,
+                "chat_template_kwargs": switch(tiny, thinking),
             }  # fmt: skip
             if usage:
                 body["stream_options"] = {"include_usage": True}

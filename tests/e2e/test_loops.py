@@ -2,13 +2,14 @@
 
 The stack's sidecar runs the guard in observe mode (the default); this file starts a second
 sidecar in front of the same vLLM with `--loop-action stop`. Greedy decoding on dummy
-weights repeats itself, so the same reasoning requests (thinking on, EOS, `</think>` and
-every token that is not plain ASCII text ruled out, so each token streams as one visible
-chunk) are sent through both, one at a time. vLLM's own `vllm:generation_tokens_total` then
-says how many tokens each mode cost, and the stop sidecar's
-`mla_serve_loop_tokens_saved_total` must account for the difference. The difference can only
-fall short of the saved figure by the tokens vLLM generated between the sidecar closing the
-connection and vLLM aborting the request (in flight); the run records that gap per request.
+weights repeats itself, so the same reasoning requests (thinking on; the tokenizer's added
+tokens, EOS and `</think>` among them, and every token that is not plain ASCII text ruled
+out, so each token streams as one visible chunk) are sent through both, one at a time.
+vLLM's own `vllm:generation_tokens_total` then says how many tokens each mode cost, and the
+stop sidecar's `mla_serve_loop_tokens_saved_total` must account for the difference. The
+difference can only fall short of the saved figure by the tokens vLLM generated between the
+sidecar closing the connection and vLLM aborting the request (in flight); the run records
+that gap per request.
 
 Everything measured goes to loops.json in the results (MLA_SERVE_E2E_RESULTS), pass or fail.
 """
@@ -26,8 +27,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
-from tests.e2e.model import THINK_END_ID, THINK_ID, build_tokenizer
+from tests.e2e.conftest import thinking
+from tests.e2e.model import Tiny
 from tests.scrape import count, samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,15 +44,16 @@ PROMPTS = (
 IN_FLIGHT_PER_REQUEST = 64  # tokens vLLM may generate before it sees the closed connection
 
 
-def banned_tokens() -> dict[str, int]:
-    """logit_bias ruling out EOS, <think>, </think>, the special tokens and every token that
-    does not decode to printable ASCII on its own: each token then streams as one chunk of
-    visible text (a lone UTF-8 byte would be held back by the detokenizer)."""
-    tokenizer = build_tokenizer()
-    bias = {str(THINK_ID): -100, str(THINK_END_ID): -100}
+def banned_tokens(model_dir: Path) -> dict[str, int]:
+    """logit_bias ruling out the tokenizer's added tokens (the special ones, EOS among them,
+    and <think>, </think>, the tool-call markup) and every token that does not decode to
+    printable ASCII on its own: each token then streams as one chunk of visible text (a
+    lone UTF-8 byte would be held back by the detokenizer)."""
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bias = {str(token_id): -100 for token_id in tokenizer.get_added_tokens_decoder()}
     for token_id in range(tokenizer.get_vocab_size()):
         text = tokenizer.decode([token_id], skip_special_tokens=False)
-        if token_id < 5 or not text or not all(" " <= c <= "~" for c in text):
+        if not text or not all(" " <= c <= "~" for c in text):
             bias[str(token_id)] = -100
     return bias
 
@@ -107,7 +111,7 @@ def settled(vllm_url: str, model: str, timeout: float = 20.0) -> float:
     return last
 
 
-def run_one(url: str, model: str, prompt: str, bias: dict[str, int]) -> dict[str, Any]:
+def run_one(url: str, model: str, prompt: str, bias: dict[str, int], tiny: Tiny) -> dict[str, Any]:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     chunks = list(
         client.chat.completions.create(
@@ -117,7 +121,7 @@ def run_one(url: str, model: str, prompt: str, bias: dict[str, int]) -> dict[str
             temperature=0,
             logit_bias=bias,
             stream=True,
-            extra_body={"chat_template_kwargs": {"thinking": True}},
+            extra_body={"chat_template_kwargs": thinking(tiny, True)},
         )
     )
     texts = [
@@ -138,12 +142,12 @@ def run_one(url: str, model: str, prompt: str, bias: dict[str, int]) -> dict[str
 
 
 def test_stop_mode_saves_what_vllm_stops_generating(
-    live: dict[str, Any], stop_sidecar: str, keep: Callable[[str, Any], None]
+    live: dict[str, Any], stop_sidecar: str, keep: Callable[[str, Any], None], tiny: Tiny
 ) -> None:
     vllm_url, model, observe_url = live["vllm_url"], live["model"], live["sidecar_url"]
     # Metrics: the stack's sidecar on its admin port; the stop-mode one serves both on one.
     admin = {observe_url: live["admin_url"], stop_sidecar: stop_sidecar}
-    bias = banned_tokens()
+    bias = banned_tokens(Path(live["model_dir"]))
     report: dict[str, Any] = {"max_tokens": MAX_TOKENS, "banned_tokens": len(bias)}
     runs: dict[str, list[dict[str, Any]]] = {}
     cost: dict[str, float] = {}
@@ -155,7 +159,7 @@ def test_stop_mode_saves_what_vllm_stops_generating(
     try:
         for mode, url in (("observe", observe_url), ("stop", stop_sidecar)):
             before = settled(vllm_url, model)
-            runs[mode] = [run_one(url, model, prompt, bias) for prompt in PROMPTS]
+            runs[mode] = [run_one(url, model, prompt, bias, tiny) for prompt in PROMPTS]
             cost[mode] = settled(vllm_url, model) - before
         saved = count(stop_sidecar, "mla_serve_loop_tokens_saved_total", model=model) - saved_before
         loops = {
