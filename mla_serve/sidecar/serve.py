@@ -66,8 +66,8 @@ class Limits:
         max_header_bytes: int,
         header_timeout: float,
         max_connections: int,
-        max_headers: int = 100,
-        write_timeout: float = 60.0,
+        max_headers: int,
+        write_timeout: float,
     ) -> None:
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
@@ -110,6 +110,7 @@ class _Guard:
         self._port = sockname[1] if isinstance(sockname, tuple) else 0
         self._counted = False
         self._head_bytes = 0
+        self._sections = 0  # field sections begun on this connection
         self._in_head = True
         self._in_body = False
         self._trailer_fields = 0
@@ -145,6 +146,7 @@ class _Guard:
             self._section_started()
 
     def _section_started(self) -> None:
+        self._sections += 1
         self._in_head = True
         self._head_bytes = 0
         if self._head_timer is not None:
@@ -220,9 +222,11 @@ class _Guard:
         return True
 
     def _message_done(self) -> None:
-        """The request is read whole (its trailers too)."""
-        self._in_body = False
-        self._head_done()
+        """The request is read whole (its trailers too). Not a section begun after it: h11
+        reads the rest of a request answered early once the next head's deadline runs."""
+        if self._in_body:
+            self._in_body = False
+            self._head_done()
 
     # -- a client that takes none of its response -----------------------------------------
     def pause_writing(self) -> None:
@@ -290,15 +294,16 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
-        in_head = self._in_head
+        in_head, sections = self._in_head, self._sections
         super().data_received(data)
         if self.parser is None or self.transport.is_closing():
             return
-        # Checked after feeding, so a read that ended a field section is not counted (its
-        # fields are: _head_complete, _trailer); httptools holds at most one read past the
-        # limit. A read that ends after a chunk header with no data behind it ended in the
-        # last chunk's trailers, or just before a chunk's data (which then ends the section).
-        if in_head and self._in_head:
+        # Checked after feeding: only a read wholly inside one field section is counted (the
+        # fields of one that ended are: _head_complete, _trailer); httptools holds at most
+        # one read past the limit. A read that ends after a chunk header with no data behind
+        # it ended in the last chunk's trailers, or just before a chunk's data (which then
+        # ends the section).
+        if in_head and self._in_head and self._sections == sections:
             if not self._head_fed(len(data)):
                 return
         elif self._chunk_empty:

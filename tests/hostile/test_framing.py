@@ -7,6 +7,7 @@ of silence, so a refusal within about a second is the head's own timeout at work
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -27,7 +28,7 @@ from tests.hostile.conftest import (
     fronts,
 )
 from tests.hostile.fake_vllm import HEAD_LIMIT, FakeVllm
-from tests.hostile.wire import ask, chunked, exchange, post, trickle
+from tests.hostile.wire import ask, chunked, complete, exchange, post, trickle
 
 MiB = 1 << 20
 LIMIT = 32 * 1024  # --max-header-bytes, the default
@@ -221,6 +222,65 @@ def test_the_head_limit_is_exact_whatever_the_reads(front, fake, attack, name):
         check.check(_openai_error(statuses[size], 431), f"{size} bytes: {statuses[size].status}")
     padded = [len(seen.headers.get("x-pad", "")) for seen in fake.seen[before:]]
     check.check(max(padded) == _padding(one, LIMIT), f"vLLM saw heads padded by {padded}")
+    check.done()
+
+
+@pytest.mark.parametrize("name", FRONTS)
+def test_a_pipelined_head_is_counted_on_its_own_bytes(front, attack, name):
+    """A read that ends one request's head, carries its 40 KiB body and begins the next
+    request's head is no read of the next head alone: counted against it, it made a 431."""
+    check = attack(f"a head begun behind a 40 KiB body in one read ({name})", "head")
+    one = front[name]
+    first = post(CHAT + one.query, json.dumps(ask("x" * 40_000)).encode())
+    second = post(CHAT + one.query, BODY)
+    received = b""
+    with socket.create_connection(("127.0.0.1", one.port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for part in (first[:50], first[50:] + second[:100], second[100:]):
+            sock.sendall(part)
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while received.count(b"HTTP/1.1 ") < 2 or not complete(received.split(b"HTTP/1.1 ")[-1]):
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                piece = sock.recv(65536)
+            except OSError:
+                break
+            if not piece or time.monotonic() > deadline:
+                break
+            received += piece
+    statuses = [int(part[:3]) for part in received.split(b"HTTP/1.1 ")[1:]]
+    check.figures["statuses"] = statuses
+    check.check(statuses == [200, 200], f"statuses {statuses}")
+    check.done()
+
+
+@pytest.mark.parametrize("name", ["asgi", "h11"])
+def test_the_next_heads_deadline_outlives_a_request_answered_early(front, attack, name):
+    """A request answered before its body came (a 404), its body after the answer, then a
+    head that never ends: the body's end must not stop the next head's deadline."""
+    check = attack(f"a head that never ends after a body read past its answer ({name})", "head")
+    one = front[name]
+    with socket.create_connection(("127.0.0.1", one.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n")
+        answer = b""
+        while not complete(answer):
+            answer += sock.recv(65536)
+        sock.sendall(b"0123456789")
+        time.sleep(0.1)
+        started = time.monotonic()
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        late = b""
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while b"\r\n\r\n" not in late and (piece := sock.recv(65536)):
+                late += piece
+        took = time.monotonic() - started
+    check.figures.update(first=answer[:12].decode(), second=late[:12].decode(), seconds=took)
+    check.check(answer.startswith(b"HTTP/1.1 404"), f"first: {answer[:40]!r}")
+    check.check(
+        late.startswith(b"HTTP/1.1 408") and took < 3, f"second: {late[:40]!r}, {took:.1f} s"
+    )
     check.done()
 
 
