@@ -21,6 +21,7 @@ tests/vllm_standin.py (`Script`: chunks and whole responses as vLLM serializes t
   [endless]      a stream of token chunks that never ends, written as fast as it is read;
                  a stream cut off by the sidecar is counted in `cut_streams`
   [bodytrickle]  a whole (not streamed) response whose body comes one byte every 0.3 s
+  [trailers]     a whole response in one chunk, then trailer fields (X-Upstream-Trailer)
 
 Every request's method, target and headers are recorded in `seen`; any path that is not
 one of vLLM's OpenAI routes answers `ADMIN-ROUTE-REACHED`, so a leak cannot go unseen.
@@ -169,6 +170,12 @@ class FakeVllm:
         if {"[fullhead]", "[bighead]"} & flags:
             size = HEAD_LIMIT + ("[bighead]" in flags)
             return await _write(writer, 200, payload, "application/json", _padded(size, payload))
+        if "[trailers]" in flags:
+            head = _head(200, "application/json", [("transfer-encoding", "chunked")])
+            writer.write(head + b"%x\r\n%s\r\n0\r\nX-Upstream-Trailer: 1\r\n\r\n"
+                         % (len(payload), payload))  # fmt: skip
+            await writer.drain()
+            return True
         if "[bodytrickle]" in flags:
             writer.write(_head(200, "application/json", [("content-length", str(len(payload)))]))
             for byte in range(len(payload)):

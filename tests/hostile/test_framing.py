@@ -286,8 +286,9 @@ def test_the_next_heads_deadline_outlives_a_request_answered_early(front, attack
 
 @pytest.mark.parametrize("name", FRONTS)
 def test_vllms_response_head_limit_is_exact(front, attack, name):
-    """The client to vLLM counted a response head only while it was incomplete."""
-    check = attack(f"vLLM response heads of 64 KiB and 64 KiB + 1 ({name})", "head")
+    """The client to vLLM counted a response head only while it was incomplete, and took
+    the trailers of a chunked response for more of its headers."""
+    check = attack(f"vLLM response heads of 64 KiB and 64 KiB + 1, trailers ({name})", "head")
     one = front[name]
     fits = exchange(one.port, post(CHAT + one.query, json.dumps(ask("[fullhead] x")).encode()))
     over = exchange(one.port, post(CHAT + one.query, json.dumps(ask("[bighead] x")).encode()))
@@ -295,6 +296,9 @@ def test_vllms_response_head_limit_is_exact(front, attack, name):
     check.check(fits.status == 200, f"a head of exactly 64 KiB: {fits.status}")
     check.check(over.status == 502 and "head" in over.json()["error"]["message"],
                 f"64 KiB + 1: {over.status} {over.body[:120]!r}")  # fmt: skip
+    trailed = exchange(one.port, post(CHAT + one.query, json.dumps(ask("[trailers] x")).encode()))
+    check.check(trailed.status == 200 and b'"choices"' in trailed.body, f"{trailed.status}")
+    check.check(trailed.header("x-upstream-trailer") is None, "vLLM's trailer sent as a header")
     check.done()
 
 
