@@ -49,10 +49,11 @@ from mla_serve.sidecar.settings import Settings, SettingsError
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    HTTPTOOLS = True
 except ImportError:  # no httptools (a plain `pip install mla-serve`): h11 serves, see protocol()
     HttpToolsProtocol = asyncio.Protocol  # type: ignore[assignment,misc]
-
-HTTPTOOLS = importlib.util.find_spec("httptools") is not None
+    HTTPTOOLS = False
 UVLOOP = importlib.util.find_spec("uvloop") is not None
 
 log = logging.getLogger("mla_serve.sidecar")

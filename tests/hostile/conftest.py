@@ -188,14 +188,15 @@ class Livez:
 
     def _run(self) -> None:
         with httpx.Client(timeout=10) as client:
-            while not self._stop.is_set():
+            while True:  # one sample at least, however short the block
                 started = time.monotonic()
                 try:
                     client.get(self.url)
                 except httpx.HTTPError:
                     self.failed += 1
                 self.seconds.append(time.monotonic() - started)
-                time.sleep(0.02)
+                if self._stop.wait(0.02):
+                    return
 
     @property
     def median(self) -> float:

@@ -276,7 +276,9 @@ def test_the_next_heads_deadline_outlives_a_request_answered_early(front, attack
             while b"\r\n\r\n" not in late and (piece := sock.recv(65536)):
                 late += piece
         took = time.monotonic() - started
-    check.figures.update(first=answer[:12].decode(), second=late[:12].decode(), seconds=took)
+    check.figures.update(
+        first=answer[:12].decode(), second=late[:12].decode(), seconds=round(took, 2)
+    )
     check.check(answer.startswith(b"HTTP/1.1 404"), f"first: {answer[:40]!r}")
     check.check(
         late.startswith(b"HTTP/1.1 408") and took < 3, f"second: {late[:40]!r}, {took:.1f} s"
