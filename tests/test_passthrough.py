@@ -205,8 +205,7 @@ def _own_protocol_sidecar(vllm, tmp_path):
     from tests.http_server import ServerThread
 
     settings = Settings(vllm_url=vllm.url, state_dir=tmp_path / "state", poll_interval=0.05)
-    limits = serve.Limits(settings.max_header_bytes, settings.header_timeout,
-                          settings.max_connections)  # fmt: skip
+    limits = serve.limits_of(settings)
     return ServerThread(create_app(settings), http=serve.protocol("httptools", limits)).start()
 
 

@@ -62,6 +62,8 @@ class Sidecar:
                 response_timeout=settings.upstream_timeout,
                 idle_timeout=settings.stream_idle_timeout,
                 body_timeout=settings.body_timeout,
+                body_deadline=settings.body_deadline,
+                response_deadline=settings.response_deadline,
                 max_body_bytes=settings.max_body_bytes,
                 max_inflight_body_bytes=settings.max_inflight_body_bytes,
                 max_json_values=settings.max_json_values,

@@ -38,6 +38,8 @@ from mla_serve.sidecar.proxy import (
     Request,
     _why,
     answer_headers,
+    body_late,
+    body_wait,
     error_body,
     inspect,
     returned_headers,
@@ -155,7 +157,7 @@ class FastExchange(Exchange):
         self.disconnected = False
         # the request
         self.reading = True  # the client's body is being read
-        self.body_at = self.loop.time()
+        self.body_started = self.body_at = self.loop.time()
         self.body_timer: asyncio.TimerHandle | None = None
         self.payload = b""
         self.attempts = 0
@@ -212,17 +214,15 @@ class FastExchange(Exchange):
     def watch_body(self) -> None:
         """After a read of the client's socket left the body incomplete: its deadline."""
         if self.reading and self.body_timer is None:
-            self.body_timer = self.loop.call_at(
-                self.body_at + self.settings.body_timeout, self._body_check
-            )
+            when = body_wait(self.settings, self.body_started, self.body_at)
+            self.body_timer = self.loop.call_at(when, self._body_check)
 
     def _body_check(self) -> None:
         self.body_timer = None
         if not self.reading:
             return
-        timeout = self.settings.body_timeout
-        if self.loop.time() - self.body_at >= timeout:
-            self._refuse(Refused(408, f"request body stalled for {timeout:g} s"))
+        if self.loop.time() >= body_wait(self.settings, self.body_started, self.body_at):
+            self._refuse(body_late(self.settings, self.body_started, self.body_at))
             return
         self.watch_body()
 
@@ -293,7 +293,7 @@ class FastExchange(Exchange):
 
     def _next_check(self) -> float:
         if self.status:
-            return self.loop.time() + self.settings.idle_timeout
+            return self._first_check()
         return min(self.deadline, self.loop.time() + self.settings.idle_timeout)
 
     def _check(self) -> None:

@@ -43,6 +43,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ class ProxySettings:
     response_timeout: float = 600.0  # until vLLM's response headers
     idle_timeout: float = 300.0  # between two reads of any response body
     body_timeout: float = 60.0  # longest gap while reading the client's request body
+    body_deadline: float = 300.0  # the whole request body, after its head
+    response_deadline: float = 300.0  # a response body that is not a stream, after its head
     max_body_bytes: int = 16 * 1024 * 1024
     max_inflight_body_bytes: int = 64 * 1024 * 1024
     max_json_values: int = 1_000_000
@@ -303,11 +306,13 @@ class Proxy:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise Refused(413, f"request body over {limit} bytes")
         loop = asyncio.get_running_loop()
+        started = last = loop.time()
         try:
             async with asyncio.timeout(None) as guard:
                 while True:
-                    guard.reschedule(loop.time() + self.settings.body_timeout)
+                    guard.reschedule(body_wait(self.settings, started, last))
                     message = await receive()
+                    last = loop.time()
                     if message["type"] == "http.disconnect":
                         raise ClientGone
                     chunk = message.get("body", b"")
@@ -324,9 +329,7 @@ class Proxy:
                     if not message.get("more_body"):
                         break
         except TimeoutError:
-            raise Refused(
-                408, f"request body stalled for {self.settings.body_timeout:g} s"
-            ) from None
+            raise body_late(self.settings, started, last) from None
         if len(request.body) > 1:
             request.body[:] = [b"".join(request.body)]
 
@@ -448,6 +451,9 @@ class Proxy:
         keep = request is not None and response.status == 200
         kept: list[bytes] = []
         size = 0
+        ends_by = math.inf
+        if response.content_type != "text/event-stream":
+            ends_by = asyncio.get_running_loop().time() + self.settings.response_deadline
         await _start(send, response, keep_length=True)
 
         async def each(data: bytes) -> None:
@@ -463,7 +469,7 @@ class Proxy:
 
         try:
             try:
-                await _pump(response, self.settings.idle_timeout, each)
+                await _pump(response, self.settings, ends_by, each)
             except (aiohttp.ClientError, TimeoutError) as error:
                 self.metrics.truncated.inc()
                 why = _why(error)
@@ -487,7 +493,7 @@ class Proxy:
         one, pieces = self._one, splitter.pieces
         # The read loop is written out here, not handed a callback as in _relay: one
         # coroutine less per chunk on the hottest path.
-        guard = _IdleGuard(self.settings.idle_timeout)
+        guard = _IdleGuard(self.settings, math.inf)
         content, clock = response.content, guard.loop.time
         try:
             while True:
@@ -515,7 +521,7 @@ class Proxy:
             if not guard.timed_out():
                 splitter.rest()  # gives its bytes back to the budget
                 raise
-            failure = f"vLLM sent nothing for {self.settings.idle_timeout:g} s"
+            failure = guard.failure
         except aiohttp.ClientError as error:
             failure = f"vLLM broke off the stream: {_why(error)}"
         except BaseException:
@@ -699,6 +705,7 @@ class Exchange:
         self.direct: Any = None  # uvicorn's httptools cycle, once the head of a stream is out
         self.writes = 0  # chunks written straight to the client's transport
         self.idle_handle: asyncio.TimerHandle | None = None
+        self.ends_by = math.inf  # a response that is not a stream: response_deadline after its head
         # streams
         self.completion = Completion()
         self.splitter: sse.Splitter | None = None
@@ -721,6 +728,7 @@ class Exchange:
             )
         else:
             self.keep = status == 200
+            self.ends_by = self.loop.time() + self.settings.response_deadline
         self._wake()
 
     def body(self, data: bytes) -> None:
@@ -847,23 +855,25 @@ class Exchange:
         finally:
             self.waiter = None
 
+    def _first_check(self) -> float:
+        """When `_idle_check` first runs after vLLM's head."""
+        return min(self.loop.time() + self.settings.idle_timeout, self.ends_by)
+
     def _idle_check(self) -> None:
-        """One timer per response: fires every idle timeout; ends the body when vLLM has
-        been silent that long while the sidecar was waiting on it (not while paused)."""
+        """One timer per response (response_check's rule): ends the body when vLLM has been
+        silent for the idle timeout while the sidecar was waiting on it (not while paused),
+        or a response that is not a stream is not over by its deadline."""
         self.idle_handle = None
         conn = self.conn
         if self.finished or conn is None:
             return
-        idle = self.settings.idle_timeout
-        now = self.loop.time()
-        if conn.paused:
-            when = now + idle
-        elif now - conn.last_read >= idle:
-            self.idle_failure = f"vLLM sent nothing for {idle:g} s"
-            self._finish(self.idle_failure)
+        failure, when = response_check(
+            self.settings, conn.last_read, not conn.paused, self.ends_by, self.loop.time()
+        )
+        if failure is not None:
+            self.idle_failure = failure
+            self._finish(failure)
             return
-        else:
-            when = conn.last_read + idle
         self.idle_handle = self.loop.call_at(when, self._idle_check)
 
     # -- the request's task -----------------------------------------------------------------
@@ -905,9 +915,7 @@ class Exchange:
                 await _respond(self.send, 503, error_body(503, message, "upstream_unavailable"))
                 return False
             if self.status:
-                self.idle_handle = self.loop.call_at(
-                    self.loop.time() + settings.idle_timeout, self._idle_check
-                )
+                self.idle_handle = self.loop.call_at(self._first_check(), self._idle_check)
                 return True
             if not self.retryable:
                 break
@@ -1195,11 +1203,15 @@ def _one_event(data: bytes) -> bool:
 
 
 async def _pump(
-    response: aiohttp.ClientResponse, idle: float, each: Callable[[bytes], Awaitable[None]]
+    response: aiohttp.ClientResponse,
+    settings: ProxySettings,
+    ends_by: float,
+    each: Callable[[bytes], Awaitable[None]],
 ) -> None:
-    """Hand each read of the body to `each`; TimeoutError when vLLM is silent for `idle` s.
-    The clock runs only while waiting on vLLM, not while the client is being written to."""
-    guard = _IdleGuard(idle)
+    """Hand each read of the body to `each`; TimeoutError when vLLM is silent for the idle
+    timeout (the clock runs only while waiting on vLLM, not while the client is being
+    written to), or the body is not over by `ends_by`."""
+    guard = _IdleGuard(settings, ends_by)
     content = response.content
     clock = guard.loop.time
     try:
@@ -1213,18 +1225,20 @@ async def _pump(
             await each(data)
     except asyncio.CancelledError:
         if guard.timed_out():
-            raise TimeoutError from None
+            raise TimeoutError(guard.failure) from None
         raise
     finally:
         guard.handle.cancel()
 
 
 class _IdleGuard:
-    """One timer per response body, not one per read: it wakes every `idle` seconds and
-    cancels the reading task only if the current wait on vLLM has lasted that long."""
+    """One timer per response body, not one per read (response_check's rule): it cancels
+    the reading task only if the current wait on vLLM has lasted the idle timeout, or the
+    body is not over by `ends_by`."""
 
-    def __init__(self, idle: float) -> None:
-        self.idle = idle
+    def __init__(self, settings: ProxySettings, ends_by: float) -> None:
+        self.settings = settings
+        self.ends_by = ends_by
         self.loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
@@ -1232,20 +1246,55 @@ class _IdleGuard:
         self.since = self.loop.time()
         self.waiting = False
         self.fired = False
-        self.handle = self.loop.call_at(self.since + idle, self._check)
+        self.failure = ""
+        self.handle = self.loop.call_at(
+            min(self.since + settings.idle_timeout, ends_by), self._check
+        )
 
     def timed_out(self) -> bool:
         """In `except CancelledError`: True when this guard, and nothing else, cancelled."""
         return self.fired and self.task.uncancel() == 0
 
     def _check(self) -> None:
-        now = self.loop.time()
-        if self.waiting and now - self.since >= self.idle:
+        failure, when = response_check(
+            self.settings, self.since, self.waiting, self.ends_by, self.loop.time()
+        )
+        if failure is not None:
+            self.failure = failure
             self.fired = True
             self.task.cancel()
             return
-        self.handle = self.loop.call_at((self.since if self.waiting else now) + self.idle,
-                                        self._check)  # fmt: skip
+        self.handle = self.loop.call_at(when, self._check)
+
+
+def response_check(
+    settings: ProxySettings, since: float, waiting: bool, ends_by: float, now: float
+) -> tuple[str | None, float]:
+    """The one rule for a response body after its head, on either client to vLLM: it fails
+    when vLLM has been silent for the idle timeout since `since` while the sidecar was
+    `waiting` on it, or at `ends_by` (a response that is not a stream: the response
+    deadline after its head). (why it failed or None, when to check next)."""
+    if now >= ends_by:
+        return f"vLLM's response did not end within {settings.response_deadline:g} s", now
+    idle = settings.idle_timeout
+    if not waiting:
+        return None, min(now + idle, ends_by)
+    if now - since >= idle:
+        return f"vLLM sent nothing for {idle:g} s", now
+    return None, min(since + idle, ends_by)
+
+
+def body_wait(settings: ProxySettings, started: float, last: float) -> float:
+    """When reading a request body gives up, on either path (ASGI's, fast.py's): a silence
+    of the body timeout since its `last` bytes, or the body deadline after its head."""
+    return min(last + settings.body_timeout, started + settings.body_deadline)
+
+
+def body_late(settings: ProxySettings, started: float, last: float) -> Refused:
+    """The 408 of a request body not read in time (body_wait)."""
+    if started + settings.body_deadline <= last + settings.body_timeout:
+        return Refused(408, f"request body not received within {settings.body_deadline:g} s")
+    return Refused(408, f"request body stalled for {settings.body_timeout:g} s")
 
 
 def _why(error: BaseException) -> str:

@@ -1,14 +1,23 @@
 """Run the sidecar under uvicorn with limits a hostile client cannot talk its way past.
 
 uvicorn's httptools protocol (what vLLM's image runs: uvicorn[standard]) buffers request
-headers without a bound; its h11 protocol has `h11_max_incomplete_event_size`. Both get,
-per connection: at most `max_header_bytes` of request line and headers, a deadline of
-`header_timeout` seconds for them, and per listening port at most `max_connections` open
-connections (past it a new connection gets a 503 and is closed), so a flood on the
-pass-through port cannot starve the admin port's probes.
+headers and trailers without a bound; its h11 protocol has `h11_max_incomplete_event_size`.
+Both get, per connection, the same rules for every request, whatever path serves it then
+(one `_Guard`, and the message rules of http1.py): at most `max_header_bytes` of request line
+and headers (431), `max_headers` trailer fields and `max_header_bytes` of trailers (431; the
+trailers of a chunked body are dropped, never passed on as headers), `header_timeout`
+seconds for the head and for the trailers (408), HTTP/1.0 or 1.1 (505), no transfer coding
+but chunked (501); a client that takes none of its response for `write_timeout` seconds
+(the transport's buffer over its high-water mark all along) is disconnected, which aborts
+its request to vLLM; and per listening port at most `max_connections` open connections
+(past it a new connection gets a 503 and is closed), so a flood on the pass-through port
+cannot starve the admin port's probes. Every refusal is an OpenAI-style JSON error with
+`connection: close`.
 
-On httptools the pass-through's plain chat and completion requests are served from the
-protocol's callbacks without ASGI (fast.py; `LimitedHttpTools.fast_path`).
+httptools is optional (a plain `pip install mla-serve` has h11 only; vLLM's image has both):
+`protocol("auto")` takes it when installed. On httptools the pass-through's plain chat and
+completion requests are served from the protocol's callbacks without ASGI (fast.py;
+`LimitedHttpTools.fast_path`).
 
 Both ports are sockets of one uvicorn server (one event loop, one lifespan). SIGTERM
 starts a drain: uvicorn stops accepting on both, lets requests in flight finish for up to
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import importlib.util
 import json
 import logging
@@ -27,15 +37,24 @@ import socket
 from types import FrameType
 from typing import Any, ClassVar
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from mla_serve.sidecar import fast
+from mla_serve.sidecar import fast, http1
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.fast import FastExchange, FastPath
 from mla_serve.sidecar.proxy import CLIENT_GONE
-from mla_serve.sidecar.settings import Settings
+from mla_serve.sidecar.settings import Settings, SettingsError
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    HTTPTOOLS = True
+except ImportError:  # no httptools (a plain `pip install mla-serve`): h11 serves, see protocol()
+    HttpToolsProtocol = asyncio.Protocol  # type: ignore[assignment,misc]
+    HTTPTOOLS = False
+UVLOOP = importlib.util.find_spec("uvloop") is not None
 
 log = logging.getLogger("mla_serve.sidecar")
 
@@ -43,27 +62,44 @@ log = logging.getLogger("mla_serve.sidecar")
 class Limits:
     """Shared by every connection of one server: the limits and the open connections."""
 
-    def __init__(self, max_header_bytes: int, header_timeout: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        max_header_bytes: int,
+        header_timeout: float,
+        max_connections: int,
+        max_headers: int,
+        write_timeout: float,
+    ) -> None:
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
         self.max_connections = max_connections
+        self.max_headers = max_headers
+        self.write_timeout = write_timeout
         self.open: dict[int, int] = {}
 
 
-def _reply(status: int, reason: str, message: str) -> bytes:
+def _reply(status: int, message: str) -> bytes:
     body = json.dumps(
         {"error": {"message": message, "type": "invalid_request_error", "param": None,
                    "code": status}}
     ).encode()  # fmt: skip
     head = (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
     )
     return head.encode() + body
 
 
 class _Guard:
-    """The per-connection half of the limits, mixed into both protocol classes."""
+    """The per-connection half of the limits, mixed into both protocol classes.
+
+    A request is read in up to two field sections, each held to the same limits (bytes,
+    fields, `header_timeout`): its head, and the trailers after a chunked body's last chunk.
+    `_in_head` is true while either is read (raw bytes counted, the deadline running);
+    `_in_body` from the end of the head to the end of the message (fields then are
+    trailers). Trailer fields are counted and dropped: vLLM ignores them, and passed on as
+    headers they would carry `Authorization` or any `X-*` past a front proxy's policy."""
 
     limits: ClassVar[Limits]
     transport: Any
@@ -75,11 +111,17 @@ class _Guard:
         self._port = sockname[1] if isinstance(sockname, tuple) else 0
         self._counted = False
         self._head_bytes = 0
+        self._sections = 0  # field sections begun on this connection
         self._in_head = True
+        self._in_body = False
+        self._trailer_fields = 0
+        self._trailer_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._write_left = 0
         open_now = self.limits.open.get(self._port, 0)
         if open_now >= self.limits.max_connections:
-            transport.write(_reply(503, "Service Unavailable", "too many open connections"))
+            transport.write(_reply(503, "too many open connections"))
             transport.close()
             return False
         self.limits.open[self._port] = open_now + 1
@@ -92,8 +134,20 @@ class _Guard:
             self._counted = False
             self.limits.open[self._port] -= 1
         self._head_done()
+        self._write_done()
 
     def _head_started(self) -> None:
+        """A request's head begins."""
+        self._in_body = False
+        self._section_started()
+
+    def _trailers_started(self) -> None:
+        """The trailers of a chunked body begin (after its last chunk)."""
+        if not self._in_head:
+            self._section_started()
+
+    def _section_started(self) -> None:
+        self._sections += 1
         self._in_head = True
         self._head_bytes = 0
         if self._head_timer is not None:
@@ -101,38 +155,109 @@ class _Guard:
         self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_late)
 
     def _head_done(self) -> None:
+        """The field section being read (head or trailers) is complete, or nothing is read."""
         self._in_head = False
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _section(self) -> str:
+        return "request trailers" if self._in_body else "request line and headers"
+
     def _head_late(self) -> None:
         self._head_timer = None
-        if self._in_head and not self.transport.is_closing():
-            message = f"request headers not received within {self.limits.header_timeout:g} s"
-            self.transport.write(_reply(408, "Request Timeout", message))
+        if self._in_head:
+            what = "trailers" if self._in_body else "headers"
+            timeout = self.limits.header_timeout
+            self._refuse(408, f"request {what} not received within {timeout:g} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer the request here (an OpenAI-style JSON error) and end the connection."""
+        self._head_done()
+        if not self.transport.is_closing():
+            self.transport.write(_reply(status, message))
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """Malformed HTTP (smuggling, bad chunks, NUL bytes): an OpenAI-style JSON 400, as
         every other refusal, instead of uvicorn's plain text."""
-        self._head_done()
-        if not self.transport.is_closing():
-            self.transport.write(_reply(400, "Bad Request", msg))
-            self.transport.close()
+        self._refuse(400, msg)
 
     def _head_fed(self, size: int) -> bool:
-        """Count header bytes; False (and answered 431, closed) past the limit."""
+        """Count the bytes of a read within a field section; False (and answered 431,
+        closed) past the limit."""
         if not self._in_head:
             return True
         self._head_bytes += size
         if self._head_bytes <= self.limits.max_header_bytes:
             return True
-        self._head_done()
-        message = f"request line and headers over {self.limits.max_header_bytes} bytes"
-        self.transport.write(_reply(431, "Request Header Fields Too Large", message))
-        self.transport.close()
+        self._refuse(431, f"{self._section()} over {self.limits.max_header_bytes} bytes")
         return False
+
+    def _head_complete(
+        self, method: bytes, target: bytes, version: str, headers: list[tuple[bytes, bytes]]
+    ) -> bool:
+        """A request's head is parsed: False (answered, closed) when it is not served
+        (http1.head_refusal: its size counted on its fields, whatever the reads were)."""
+        self._head_done()
+        refusal = http1.head_refusal(method, target, version, headers, self.limits.max_header_bytes)
+        if refusal is not None:
+            self._refuse(*refusal)
+            return False
+        self._in_body = True
+        self._trailer_fields = self._trailer_bytes = 0
+        return True
+
+    def _trailer(self, name: bytes, value: bytes) -> bool:
+        """A trailer field, never kept: counted against the head's limits; False (answered
+        431, closed) past them."""
+        self._trailer_fields += 1
+        self._trailer_bytes += len(name) + len(value) + 4
+        limits = self.limits
+        if self._trailer_fields > limits.max_headers:
+            self._refuse(431, f"more than {limits.max_headers} request trailer fields")
+            return False
+        if self._trailer_bytes + 2 > limits.max_header_bytes:
+            self._refuse(431, f"request trailers over {limits.max_header_bytes} bytes")
+            return False
+        return True
+
+    def _message_done(self) -> None:
+        """The request is read whole (its trailers too). Not a section begun after it: h11
+        reads the rest of a request answered early once the next head's deadline runs."""
+        if self._in_body:
+            self._in_body = False
+            self._head_done()
+
+    # -- a client that takes none of its response -----------------------------------------
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: from now on the client must
+        take some of it every `write_timeout` s."""
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_timer is None:
+            self._write_left = self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._write_late)
+
+    def resume_writing(self) -> None:
+        self._write_done()
+        super().resume_writing()  # type: ignore[misc]
+
+    def _write_done(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_late(self) -> None:
+        """`write_timeout` s since the last check: if the client took none of what waits for
+        it, the connection is dropped (nothing would reach it), and with it the request to
+        vLLM, which frees the slot."""
+        self._write_timer = None
+        left = self.transport.get_write_buffer_size()
+        if left < self._write_left:  # it reads, slowly
+            self._write_left = left
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._write_late)
+            return
+        self.transport.abort()
 
 
 class LimitedHttpTools(_Guard, HttpToolsProtocol):
@@ -165,20 +290,32 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
             if gone is not None:
                 gone()
 
+    _chunk_empty = False  # a chunk header parsed and no byte of its data yet (see below)
+
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
-        in_head = self._in_head
+        in_head, sections = self._in_head, self._sections
         super().data_received(data)
-        # Checked after feeding, so bytes that completed the head (and the body after
-        # them) are not counted; httptools holds at most one read past the limit.
-        if in_head and self._in_head and self.parser is not None:
-            self._head_fed(len(data))
+        if self.parser is None or self.transport.is_closing():
+            return
+        # Checked after feeding: only a read wholly inside one field section is counted (the
+        # fields of one that ended are: _head_complete, _trailer); httptools holds at most
+        # one read past the limit. A read that ends after a chunk header with no data behind
+        # it ended in the last chunk's trailers, or just before a chunk's data (which then
+        # ends the section).
+        if in_head and self._in_head and self._sections == sections:
+            if not self._head_fed(len(data)):
+                return
+        elif self._chunk_empty:
+            self._trailers_started()
         fast = self.fast
         if fast is not None and fast.reading:
             fast.watch_body()
 
     def on_message_begin(self) -> None:
+        if self.transport.is_closing():  # refused: nothing more is served on it
+            return
         # A request parsed in the read that ended the one before (served without ASGI, so
         # already answered): not an idle connection, whatever on_response_complete armed.
         self._unset_keepalive_if_required()
@@ -186,8 +323,20 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         if not self._in_head:
             self._head_started()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_body:
+            super().on_header(name, value)
+        elif not self.transport.is_closing():
+            self._trailer(name, value)  # counted, never added to the request's headers
+
     def on_headers_complete(self) -> None:
-        self._head_done()
+        if self.transport.is_closing():
+            return
+        parser = self.parser
+        if not self._head_complete(
+            parser.get_method(), self.url, parser.get_http_version(), self.headers
+        ):
+            return
         path = self.fast_path
         if path is not None and (self.cycle is None or self.cycle.response_complete):
             exchange = path.takes(self)
@@ -199,7 +348,15 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         if self.cycle is not None:  # this protocol calls back when the client leaves
             setattr(self.cycle, CLIENT_GONE, None)
 
+    def on_chunk_header(self) -> None:
+        self._chunk_empty = True
+
     def on_body(self, body: bytes) -> None:
+        if self._chunk_empty:
+            self._chunk_empty = False
+            self._head_done()  # a chunk's data: not trailers after all
+        if self.transport.is_closing():
+            return
         cycle: Any = self.cycle
         if type(cycle) is FastExchange:
             cycle.request_body(body)
@@ -207,6 +364,10 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._chunk_empty = False
+        self._message_done()
+        if self.transport.is_closing():  # refused in its trailers: never served
+            return
         cycle: Any = self.cycle
         if type(cycle) is FastExchange:
             cycle.request_done()
@@ -221,21 +382,52 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
 
 
 class LimitedH11(_Guard, H11Protocol):
-    """h11 bounds the head itself (`h11_max_incomplete_event_size`); the deadline and the
-    connection count are added here."""
+    """h11 bounds the bytes of an incomplete head or trailers itself
+    (`h11_max_incomplete_event_size`, 431 here) and refuses transfer codings but chunked
+    (501 here); the rest of the rules, the deadlines and the connection count are added
+    here, on h11's events (`_next_event`)."""
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self._h11_next_event = self.conn.next_event
+        self.conn.next_event = self._next_event  # type: ignore[method-assign]
         self._guard_open(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._guard_close()
         super().connection_lost(exc)
 
+    def _next_event(self) -> Any:
+        """h11's next event, held to the sidecar's rules before uvicorn sees it; a refused
+        request ends the connection (uvicorn is told h11 needs data)."""
+        try:
+            event = self._h11_next_event()
+        except h11.RemoteProtocolError as error:
+            if error.error_status_hint == 431:
+                self._refuse(431, f"{self._section()} over {self.limits.max_header_bytes} bytes")
+            elif error.error_status_hint == 501:
+                self._refuse(501, str(error))
+            else:
+                raise  # uvicorn answers 400 (send_400_response)
+            return h11.NEED_DATA
+        if isinstance(event, h11.Request):
+            version = event.http_version.decode("ascii")
+            if not self._head_complete(event.method, event.target, version, list(event.headers)):
+                return h11.NEED_DATA
+        elif isinstance(event, h11.EndOfMessage):
+            for name, value in event.headers:  # uvicorn drops them; counted here
+                if not self._trailer(name, value):
+                    return h11.NEED_DATA
+            self._message_done()
+        return event
+
     def handle_events(self) -> None:
         super().handle_events()
-        if self._in_head and self.cycle is not None and not self.cycle.response_complete:
-            self._head_done()
+        # h11 reads the trailers after the last chunk (a private attribute: without it,
+        # trailers are still bounded by h11 and by the body's timeouts, not by time alone)
+        reader = getattr(self.conn, "_reader", None)
+        if self._in_body and getattr(reader, "_reading_trailer", False) is True:
+            self._trailers_started()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -249,8 +441,11 @@ def protocol(
     """The HTTP protocol class: httptools when installed (as in vLLM's image), else h11.
     `fast_path`: the pass-through's requests the httptools protocol serves without ASGI."""
     if kind == "auto":
-        kind = "httptools" if importlib.util.find_spec("httptools") else "h11"
+        kind = "httptools" if HTTPTOOLS else "h11"
     if kind == "httptools":
+        if not HTTPTOOLS:
+            raise SettingsError("--http httptools: httptools is not installed "
+                                "(pip install httptools uvloop)")  # fmt: skip
         if fast_path is not None and not fast.compatible(HttpToolsProtocol):
             log.warning("this uvicorn's httptools protocol is not the one the fast path knows: "
                         "chat and completions go through ASGI")  # fmt: skip
@@ -258,6 +453,23 @@ def protocol(
         attributes = {"limits": limits, "fast_path": fast_path}
         return type("SidecarLimitedHttpTools", (LimitedHttpTools,), attributes)
     return type("SidecarLimitedH11", (LimitedH11,), {"limits": limits})
+
+
+def front(
+    http: type[asyncio.Protocol], loop: str, lane: bool | None, chosen: str
+) -> tuple[int, str]:
+    """The log line (level, text) that says which HTTP front serves."""
+    where = f"on {loop}"
+    if issubclass(http, LimitedHttpTools):
+        if http.fast_path is None:
+            return logging.INFO, f"HTTP front: httptools {where}; every request through ASGI"
+        reads = "in C" if lane else "in Python"
+        return logging.INFO, (f"HTTP front: httptools {where}; chat and completions served "
+                              f"without ASGI, token chunks read {reads}")  # fmt: skip
+    if chosen == "h11":
+        return logging.INFO, f"HTTP front: h11 {where} (--http h11)"
+    missing = "httptools is not installed (pip install httptools uvloop: vLLM's image has them)"
+    return logging.WARNING, f"HTTP front: h11 {where}: {missing}"
 
 
 class Server(uvicorn.Server):
@@ -297,7 +509,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def limits_of(settings: Settings) -> Limits:
-    return Limits(settings.max_header_bytes, settings.header_timeout, settings.max_connections)
+    return Limits(
+        settings.max_header_bytes,
+        settings.header_timeout,
+        settings.max_connections,
+        settings.max_headers,
+        settings.write_timeout,
+    )
 
 
 def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None:
@@ -305,11 +523,12 @@ def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None
     sockets = [listen(settings.host, settings.port)]
     if settings.admin_port is not None and settings.admin_port != settings.port:
         sockets.append(listen(settings.admin_host or settings.host, settings.admin_port))
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    loop = "uvloop" if UVLOOP else "asyncio"
     app = create_app(settings)
+    http_class = protocol(http, limits, app.fast)
     config = uvicorn.Config(
         app,
-        http=protocol(http, limits, app.fast),
+        http=http_class,
         loop=loop,
         log_level=log_level,
         access_log=False,
@@ -318,4 +537,6 @@ def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
     )
+    level, line = front(http_class, loop, app.proxy.settings.lane, http)
+    logging.getLogger("uvicorn.error").log(level, line)  # after Config: uvicorn's format
     Server(config).run(sockets=sockets)

@@ -43,6 +43,9 @@ class Settings:
     max_json_values: int = 1_000_000
     max_event_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 60.0
+    body_deadline: float = 300.0
+    response_deadline: float = 300.0
+    write_timeout: float = 60.0
     max_header_bytes: int = 32 * 1024
     max_headers: int = 100
     header_timeout: float = 30.0
@@ -146,6 +149,27 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "MLA_SERVE_BODY_TIMEOUT",
         float,
         "pass-through: longest silence while reading a request body, 408 after (60 s)",
+    ),
+    (
+        "--body-deadline",
+        "MLA_SERVE_BODY_DEADLINE",
+        float,
+        "pass-through: a request body (and its trailers) must arrive whole within this long "
+        "after its headers, 408 after (300 s)",
+    ),
+    (
+        "--response-deadline",
+        "MLA_SERVE_RESPONSE_DEADLINE",
+        float,
+        "pass-through: a vLLM response that is not an event stream must end within this long "
+        "after its headers, cut off after (300 s)",
+    ),
+    (
+        "--write-timeout",
+        "MLA_SERVE_WRITE_TIMEOUT",
+        float,
+        "longest time a client may take none of the response bytes waiting for it; then it is "
+        "disconnected and its vLLM request aborted (60 s)",
     ),
     ("--max-header-bytes", "MLA_SERVE_MAX_HEADER_BYTES", int, "request line + headers (32 KiB)"),
     ("--max-headers", "MLA_SERVE_MAX_HEADERS", int, "request headers, 431 past it (100)"),
@@ -277,7 +301,8 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
     positive = ("poll_interval", "probe_timeout", "connect_timeout", "upstream_timeout",
                 "stream_idle_timeout", "max_body_bytes", "canary_interval", "canary_concurrency",
                 "canary_max_tokens", "max_inflight_body_bytes", "max_json_values",
-                "max_event_bytes", "body_timeout", "max_header_bytes", "max_headers",
+                "max_event_bytes", "body_timeout", "body_deadline", "response_deadline",
+                "write_timeout", "max_header_bytes", "max_headers",
                 "header_timeout", "max_connections", "drain_timeout", "loop_min_repeats",
                 "loop_window_chars", "loop_min_chars")  # fmt: skip
     for name in positive:

@@ -22,6 +22,8 @@ import asyncio
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from mla_serve.sidecar import http1
+
 try:
     import httptools
 except ImportError:  # not in every install: the pass-through then uses aiohttp alone
@@ -45,8 +47,10 @@ def lane_reads() -> int:
 
 
 # What vLLM may send before its response's body: status line and headers, in bytes (Envoy's
-# default header limit is 60 KiB; aiohttp's 8 KiB a line). Beyond it the response is refused
-# and the connection dropped: httptools would otherwise buffer an endless header line.
+# default header limit is 60 KiB; aiohttp's 8 KiB a line), counted on the parsed fields once
+# the head is complete (http1.response_head_size: the same whatever the reads), on the bytes
+# read while it is not. Beyond it the response is refused (502) and the connection dropped:
+# httptools would otherwise buffer an endless header line.
 MAX_HEAD_BYTES = 64 << 10
 
 
@@ -74,7 +78,8 @@ class Connection(asyncio.Protocol):
         self.until_close = False  # a body without length: it ends when the connection does
         self.in_body = False
         self.got_bytes = False  # any byte of a response to the current request
-        self.head_bytes = 0  # bytes read before the current response's head was complete
+        self.head_bytes = 0  # the current response's head in bytes (read, then parsed)
+        self.reason = 0  # bytes of its status line's reason phrase
         self.head_done = False
         self.reused = False
         self.closed = False
@@ -98,7 +103,7 @@ class Connection(asyncio.Protocol):
         self.headers = []
         self.got_bytes = False
         self.in_body = False
-        self.head_bytes = 0
+        self.head_bytes = self.reason = 0
         self.head_done = False
         self.last_read = self.pool.loop.time()
         self.transport.write(payload)
@@ -161,7 +166,7 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as error:
             self._refuse(sink, f"malformed HTTP from vLLM: {error}")
             return
-        if not self.head_done and self.head_bytes > MAX_HEAD_BYTES:
+        if self.head_bytes > MAX_HEAD_BYTES:
             self._refuse(sink, f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
             return
         sink.fed()
@@ -196,14 +201,23 @@ class Connection(asyncio.Protocol):
         sink.lost(why, self.reused and not self.got_bytes)
 
     # -- httptools callbacks ---------------------------------------------------------------
+    def on_status(self, reason: bytes) -> None:
+        self.reason += len(reason)
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.head_done:  # after the body: trailers, dropped (never a response header)
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if status < 200:  # 1xx: another head follows
             self.informational = True
             self.headers = []
+            self.reason = 0
+            return
+        self.head_bytes = http1.response_head_size(self.reason, self.headers)
+        if self.head_bytes > MAX_HEAD_BYTES:  # refused by data_received, after this read
+            self.sink = None
             return
         self.in_body = self.head_done = True
         chunked = length = False

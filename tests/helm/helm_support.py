@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import os
@@ -12,6 +13,8 @@ from typing import Any
 
 import helm_python as helm
 import yaml
+
+from mla_serve.sidecar import settings as settings_
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "mla-serve"
@@ -131,6 +134,16 @@ def vllm_container(pod_spec: dict[str, Any]) -> dict[str, Any]:
 
 def sidecar_container(pod_spec: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in pod_spec["containers"] if c["name"] == "sidecar")
+
+
+def sidecar_settings(values: dict[str, Any]) -> settings_.Settings:
+    """The rendered sidecar's flags, read back by the sidecar's own parser and settings."""
+    pod = find(documents(render(values)), "Deployment")["spec"]["template"]["spec"]
+    container = sidecar_container(pod)
+    assert container["command"] == ["mla-serve", "sidecar"]
+    parser = argparse.ArgumentParser()
+    settings_.add_arguments(parser)
+    return settings_.from_arguments(parser.parse_args(container["args"]), environ={})
 
 
 def flags(container: dict[str, Any]) -> dict[str, str | None]:

@@ -3,25 +3,12 @@ and settings, and the checks that refuse values vLLM or the sidecar cannot use."
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import helm_python as helm
 import pytest
 
-from mla_serve.sidecar import settings as settings_
-from mla_serve.sidecar.settings import Settings
-from tests.helm.helm_support import documents, find, render, sidecar_container
-
-
-def sidecar_settings(values: dict[str, Any]) -> Settings:
-    docs = documents(render(values))
-    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
-    container = sidecar_container(pod)
-    assert container["command"] == ["mla-serve", "sidecar"]
-    parser = argparse.ArgumentParser()
-    settings_.add_arguments(parser)
-    return settings_.from_arguments(parser.parse_args(container["args"]), environ={})
+from tests.helm.helm_support import render, sidecar_settings
 
 
 def test_defaults_observe_with_the_documented_loop_definition() -> None:

@@ -3,12 +3,14 @@ admin port, vLLM's API key for both containers, and the drain on pod termination
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import helm_python as helm
 import pytest
 
 from tests.helm.helm_support import (
+    NOTES,
     case_documents,
     case_values,
     documents,
@@ -16,6 +18,7 @@ from tests.helm.helm_support import (
     merge,
     render,
     sidecar_container,
+    sidecar_settings,
     vllm_container,
 )
 
@@ -95,3 +98,32 @@ def test_chart_refuses_an_exposed_admin_port_or_a_short_grace(
     with pytest.raises(helm.HelmRenderError) as caught:
         render(merge(case_values("default"), override))
     assert expected in str(caught.value)
+
+
+ADMIN_ROUTES = ("/livez", "/readyz", "/startupz", "/status", "/metrics")
+
+
+@pytest.mark.parametrize("case", ["default", "multinode-nvl72"])
+def test_install_notes_name_the_admin_port_for_the_sidecars_own_routes(case: str) -> None:
+    """The notes asked for /status on sidecar.port, the pass-through port, which answers
+    404 there: the sidecar's own routes are on sidecar.adminPort."""
+    values = merge(case_values(case), {"sidecar": {"port": 9090, "adminPort": 9191}})
+    notes = render(values)[NOTES]
+    named = re.findall(r"127\.0\.0\.1:(\d+)(/[a-z]+)", notes)
+    assert ("9191", "/status") in named, notes
+    for port, path in named:
+        assert port == ("9191" if path in ADMIN_ROUTES else "9090"), f"{path} on port {port}"
+
+
+def test_deadlines_reach_the_sidecar() -> None:
+    settings = sidecar_settings({})
+    assert (settings.body_deadline, settings.response_deadline, settings.write_timeout) == (
+        300.0, 300.0, 60.0
+    )  # fmt: skip
+    deadlines = {"requestBodySeconds": 120, "responseSeconds": 90, "clientWriteSeconds": 15}
+    settings = sidecar_settings({"sidecar": {"deadlines": deadlines}})
+    assert (settings.body_deadline, settings.response_deadline, settings.write_timeout) == (
+        120.0, 90.0, 15.0
+    )  # fmt: skip
+    with pytest.raises(helm.HelmError, match="clientWriteSeconds"):
+        render({"sidecar": {"deadlines": {"clientWriteSeconds": 0}}})

@@ -16,6 +16,12 @@ tests/vllm_standin.py (`Script`: chunks and whole responses as vLLM serializes t
   [hopheaders]   the response names a header in Connection: and sends hop-by-hop ones
   [retry]        429 with Retry-After
   [slow]         0.1 s between stream events
+  [fullhead]     a response head of exactly HEAD_LIMIT bytes (the sidecar's limit for vLLM's)
+  [bighead]      a response head of HEAD_LIMIT + 1 bytes, written at once
+  [endless]      a stream of token chunks that never ends, written as fast as it is read;
+                 a stream cut off by the sidecar is counted in `cut_streams`
+  [bodytrickle]  a whole (not streamed) response whose body comes one byte every 0.3 s
+  [trailers]     a whole response in one chunk, then trailer fields (X-Upstream-Trailer)
 
 Every request's method, target and headers are recorded in `seen`; any path that is not
 one of vLLM's OpenAI routes answers `ADMIN-ROUTE-REACHED`, so a leak cannot go unseen.
@@ -32,6 +38,7 @@ from typing import Any
 from tests.vllm_standin import VERSION, Script, model_list
 
 CHUNK = 64 * 1024
+HEAD_LIMIT = 64 * 1024  # mla_serve.sidecar.upstream.MAX_HEAD_BYTES
 OPENAI = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
 
 
@@ -49,6 +56,7 @@ class FakeVllm:
     seen: list[Seen] = field(default_factory=list)
     sent: dict[str, bytes] = field(default_factory=dict)  # last body sent per flag set
     sent_all: dict[str, list[bytes]] = field(default_factory=dict)  # every one
+    cut_streams: int = 0  # [endless] streams whose connection the sidecar closed
     port: int = 0
 
     def start(self) -> FakeVllm:
@@ -146,7 +154,9 @@ class FakeVllm:
         if "[hopheaders]" in flags:
             extra = [("Connection", "X-Internal"), ("X-Internal", "secret"),
                      ("Keep-Alive", "timeout=5"), ("X-Kept", "yes")]  # fmt: skip
-        if path == "/v1/responses" or body.get("stream"):
+        if "[endless]" in flags:
+            return await self._endless(writer, self._events(script, flags))
+        if body.get("stream", path == "/v1/responses"):  # /v1/responses streams unless told
             events = self._events(script, flags)
             self.sent[key] = b"".join(events)
             self.sent_all.setdefault(key, []).append(self.sent[key])
@@ -157,6 +167,22 @@ class FakeVllm:
             whole["usage"]["prompt_tokens"] = "twelve"
         payload = json.dumps(whole).encode()
         self.sent[key] = payload
+        if {"[fullhead]", "[bighead]"} & flags:
+            size = HEAD_LIMIT + ("[bighead]" in flags)
+            return await _write(writer, 200, payload, "application/json", _padded(size, payload))
+        if "[trailers]" in flags:
+            head = _head(200, "application/json", [("transfer-encoding", "chunked")])
+            writer.write(head + b"%x\r\n%s\r\n0\r\nX-Upstream-Trailer: 1\r\n\r\n"
+                         % (len(payload), payload))  # fmt: skip
+            await writer.drain()
+            return True
+        if "[bodytrickle]" in flags:
+            writer.write(_head(200, "application/json", [("content-length", str(len(payload)))]))
+            for byte in range(len(payload)):
+                writer.write(payload[byte : byte + 1])
+                await writer.drain()
+                await asyncio.sleep(0.3)
+            return True
         if "[truncate]" in flags or "[bodystall]" in flags:
             head = _head(200, "application/json", [("content-length", str(len(payload)))])
             writer.write(head + payload[: len(payload) // 2])
@@ -165,6 +191,19 @@ class FakeVllm:
                 await asyncio.sleep(60)
             return False
         return await _write(writer, 200, payload, "application/json", extra)
+
+    async def _endless(self, writer: asyncio.StreamWriter, events: list[bytes]) -> bool:
+        batch = events[1] * (CHUNK // len(events[1]))  # token chunks, one after another
+        body = b"%x\r\n%s\r\n" % (len(batch), batch)
+        writer.write(_head(200, "text/event-stream", [("transfer-encoding", "chunked")])
+                     + b"%x\r\n%s\r\n" % (len(events[0]), events[0]) + body)  # fmt: skip
+        try:
+            while True:
+                await writer.drain()
+                writer.write(body)
+        except ConnectionError:
+            self.cut_streams += 1
+            raise
 
     def _events(self, script: Script, flags: set[str]) -> list[bytes]:
         end = b"\r\n\r\n" if "[crlf]" in flags else b"\n\n"
@@ -220,6 +259,12 @@ class FakeVllm:
 
 
 REASONS = {200: "OK", 401: "Unauthorized", 429: "Too Many Requests"}
+
+
+def _padded(size: int, payload: bytes) -> list[tuple[str, str]]:
+    """An `x-pad` header that makes the head of a whole response of `payload` `size` bytes."""
+    base = len(_head(200, "application/json", [("content-length", str(len(payload)))]))
+    return [("x-pad", "p" * (size - base - len("x-pad: \r\n")))]
 
 
 def _head(status: int, content_type: str, headers: list[tuple[str, str]]) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -38,7 +39,6 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
     """Send `data` (all of it, or until the server stops reading), read until the server
     closes the connection or `timeout`; parse one response."""
     started = time.monotonic()
-    received = b""
     closed = False
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         try:
@@ -47,20 +47,47 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
             closed = True
         if pause:
             time.sleep(pause)
-        sock.settimeout(max(0.1, timeout - (time.monotonic() - started)))
-        try:
-            while True:
-                piece = sock.recv(65536)
-                if not piece:
-                    closed = True
-                    break
-                received += piece
-                if complete(received):
-                    break
-        except TimeoutError:
-            pass
-        except OSError:
-            closed = True
+        return _read_reply(sock, started, timeout, closed)
+
+
+def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float = 10) -> Reply:
+    """Send `head`, then `drip` one byte every `interval` s until the server answers (or
+    closes the connection) or `timeout`; parse its response."""
+    started = time.monotonic()
+    closed = False
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        for byte in drip:
+            if time.monotonic() - started > timeout:
+                break
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            if select.select([sock], [], [], interval)[0]:  # an answer, or the end
+                break
+        return _read_reply(sock, started, timeout, closed)
+
+
+def _read_reply(sock: socket.socket, started: float, timeout: float, closed: bool) -> Reply:
+    """Read one response until it is complete, the connection ends, or `timeout` s after
+    `started` (however slowly the bytes come)."""
+    received = b""
+    try:
+        while (left := timeout - (time.monotonic() - started)) > 0 or not received:
+            sock.settimeout(max(0.1, left))
+            piece = sock.recv(65536)
+            if not piece:
+                closed = True
+                break
+            received += piece
+            if complete(received):
+                break
+    except TimeoutError:
+        pass
+    except OSError:
+        closed = True
     return _parse(received, closed, time.monotonic() - started)
 
 
@@ -113,3 +140,12 @@ def post(path: str, body: bytes, *headers: str, version: str = "1.1") -> bytes:
 def get(path: str, *headers: str, version: str = "1.1") -> bytes:
     lines = [f"GET {path} HTTP/{version}", "Host: sidecar", *headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def chunked(path: str, body: bytes, *headers: str, coding: str = "chunked") -> bytes:
+    """A POST with `Transfer-Encoding: {coding}` and `body` as one chunk, up to the last
+    chunk's size line: trailer fields, then an empty line, end it."""
+    lines = [f"POST {path} HTTP/1.1", "Host: sidecar", "Content-Type: application/json",
+             f"Transfer-Encoding: {coding}", *headers]  # fmt: skip
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head + b"%x\r\n%s\r\n0\r\n" % (len(body), body)

@@ -250,6 +250,12 @@ spec:
         - {{ $v.sidecar.adminPort | quote }}
         - --drain-timeout
         - {{ $v.sidecar.drain.timeoutSeconds | quote }}
+        - --body-deadline
+        - {{ $v.sidecar.deadlines.requestBodySeconds | quote }}
+        - --response-deadline
+        - {{ $v.sidecar.deadlines.responseSeconds | quote }}
+        - --write-timeout
+        - {{ $v.sidecar.deadlines.clientWriteSeconds | quote }}
         {{- with $v.sidecar.extraRoutes }}
         - --extra-routes
         - {{ join "," . | quote }}

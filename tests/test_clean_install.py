@@ -1,0 +1,101 @@
+"""`pip install mla-serve` in a fresh venv, then `mla-serve sidecar`: what a new user does first.
+
+mla-serve's wheel (built here as the image builds it) is installed with pip into a venv of
+its own, with nothing but its declared dependencies (pip's cache makes that quick), and its
+sidecar started from there (not from this checkout) in front of the stand-in vLLM
+(tests/vllm_standin.py) until /livez answers and a chat request goes through. Without
+httptools (a declared dependency of neither mla-serve nor uvicorn) the sidecar must run on
+h11 and say so; with httptools and uvloop (as in vLLM's image) it must take the fast front
+and the C lane.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.http_server import free_port
+from tests.vllm_standin import StandIn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("clean-install")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(where), str(ROOT)],
+        check=True,
+    )  # fmt: skip
+    (wheel,) = where.glob("mla_serve-*.whl")
+    subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True)
+    _pip(where / "venv", str(wheel))
+    return where / "venv"
+
+
+def _pip(venv: Path, *packages: str) -> None:
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
+                   check=True)  # fmt: skip
+
+
+def _imports(venv: Path, module: str) -> bool:
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([str(venv / "bin" / "python"), "-c", probe], check=False).returncode == 0
+
+
+def _serve(venv: Path, log: Path) -> str:
+    """Start the venv's `mla-serve sidecar` in front of the stand-in vLLM, wait for /livez,
+    send one chat request through the pass-through, stop it (SIGTERM); its log."""
+    vllm = StandIn().start()
+    port, admin = free_port(), free_port()
+    environment = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("MLA_SERVE_", "PYTHON"))}  # fmt: skip
+    process = subprocess.Popen(
+        [str(venv / "bin" / "mla-serve"), "sidecar", "--host", "127.0.0.1", "--port", str(port),
+         "--admin-port", str(admin), "--vllm-url", vllm.url],
+        cwd=log.parent, env=environment, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert process.poll() is None, f"the sidecar exited: {log.read_text()}"
+            assert time.monotonic() < deadline, f"/livez never answered: {log.read_text()}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{admin}/livez").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "glm-5.3-flash", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "stop"
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+        vllm.stop()
+    return log.read_text()
+
+
+def test_the_sidecar_starts_from_a_plain_install_on_h11(venv: Path, tmp_path: Path) -> None:
+    assert not _imports(venv, "httptools"), "httptools came with the install"
+    log = _serve(venv, tmp_path / "sidecar.log")
+    assert "HTTP front: h11 on asyncio: httptools is not installed" in log, log
+    assert "Traceback" not in log, log
+
+
+def test_with_httptools_the_fast_front_and_the_lane_run(venv: Path, tmp_path: Path) -> None:
+    _pip(venv, "httptools", "uvloop")
+    log = _serve(venv, tmp_path / "sidecar.log")
+    front = "HTTP front: httptools on uvloop; chat and completions served without ASGI"
+    assert f"{front}, token chunks read in C" in log, log
+    assert "Traceback" not in log, log
