@@ -81,6 +81,7 @@ class Connection(asyncio.Protocol):
         self.head_bytes = 0  # the current response's head in bytes (read, then parsed)
         self.reason = 0  # bytes of its status line's reason phrase
         self.head_done = False
+        self.framing = 0  # bytes read since the last body byte, once the head is done
         self.reused = False
         self.closed = False
         self.paused = False  # reading paused by the consumer (back-pressure)
@@ -103,7 +104,7 @@ class Connection(asyncio.Protocol):
         self.headers = []
         self.got_bytes = False
         self.in_body = False
-        self.head_bytes = self.reason = 0
+        self.head_bytes = self.reason = self.framing = 0
         self.head_done = False
         self.last_read = self.pool.loop.time()
         self.transport.write(payload)
@@ -169,6 +170,12 @@ class Connection(asyncio.Protocol):
         if self.head_bytes > MAX_HEAD_BYTES:
             self._refuse(sink, f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
             return
+        if head_done:  # after the head, bytes without a body byte (chunk framing, trailers)
+            self.framing = 0 if self.sizes else self.framing + len(data)
+            if self.framing > MAX_HEAD_BYTES:
+                self._refuse(sink, f"vLLM sent over {MAX_HEAD_BYTES >> 10} KiB without a byte "
+                                   "of body (chunk framing or trailers)")  # fmt: skip
+                return
         sink.fed()
         # Whole chunks whose payloads were the read's body pieces, size for size: the parser
         # was between two chunks before the read and is again (in any other state it would

@@ -22,6 +22,8 @@ tests/vllm_standin.py (`Script`: chunks and whole responses as vLLM serializes t
                  a stream cut off by the sidecar is counted in `cut_streams`
   [bodytrickle]  a whole (not streamed) response whose body comes one byte every 0.3 s
   [trailers]     a whole response in one chunk, then trailer fields (X-Upstream-Trailer)
+  [endlesstrailer]  a whole response in one chunk, then one trailer value that never ends,
+                 written as fast as it is read (its bytes counted in `trailer_bytes`)
 
 Every request's method, target and headers are recorded in `seen`; any path that is not
 one of vLLM's OpenAI routes answers `ADMIN-ROUTE-REACHED`, so a leak cannot go unseen.
@@ -57,6 +59,7 @@ class FakeVllm:
     sent: dict[str, bytes] = field(default_factory=dict)  # last body sent per flag set
     sent_all: dict[str, list[bytes]] = field(default_factory=dict)  # every one
     cut_streams: int = 0  # [endless] streams whose connection the sidecar closed
+    trailer_bytes: int = 0  # bytes of [endlesstrailer] values written
     port: int = 0
 
     def start(self) -> FakeVllm:
@@ -170,6 +173,17 @@ class FakeVllm:
         if {"[fullhead]", "[bighead]"} & flags:
             size = HEAD_LIMIT + ("[bighead]" in flags)
             return await _write(writer, 200, payload, "application/json", _padded(size, payload))
+        if "[endlesstrailer]" in flags:  # one trailer value that never ends
+            head = _head(200, "application/json", [("transfer-encoding", "chunked")])
+            writer.write(head + b"%x\r\n%s\r\n0\r\nX-Upstream-Trailer: " % (len(payload), payload))
+            piece = b"t" * 65536
+            try:
+                while True:
+                    await writer.drain()
+                    writer.write(piece)
+                    self.trailer_bytes += len(piece)
+            except ConnectionError:
+                return False
         if "[trailers]" in flags:
             head = _head(200, "application/json", [("transfer-encoding", "chunked")])
             writer.write(head + b"%x\r\n%s\r\n0\r\nX-Upstream-Trailer: 1\r\n\r\n"

@@ -304,6 +304,29 @@ def test_vllms_response_head_limit_is_exact(front, attack, name):
     check.done()
 
 
+@pytest.mark.parametrize("name", FRONTS)
+def test_vllms_endless_trailer_is_cut(front, fake, attack, name):
+    """vLLM's trailers were dropped but not counted: one trailer value that never ends was
+    buffered by the parser until the stream idle timeout (300 s by default)."""
+    check = attack(f"vLLM sends one endless trailer value ({name})", "head")
+    one = front[name]
+    before = fake.trailer_bytes
+    with RssPeak(one.sidecar) as rss:
+        request = post(CHAT + one.query, json.dumps(ask("[endlesstrailer] x")).encode())
+        reply = exchange(one.port, request, timeout=8)
+        time.sleep(0.5)
+        sent = fake.trailer_bytes - before
+        time.sleep(0.5)
+        later = fake.trailer_bytes - before
+    check.figures.update(trailer_mib=round(sent / MiB, 1), rss_peak_mib=round(rss.peak / MiB, 1),
+                         seconds=round(reply.seconds, 2))  # fmt: skip
+    check.check(reply.seconds < 5, f"the response ended after {reply.seconds:.1f} s")
+    check.check(reply.closed, "a response vLLM never finished was not cut off")
+    check.check(later == sent, f"vLLM's connection still read: {sent} then {later} bytes")
+    check.check(rss.peak < MEMORY_LIMIT, f"RSS peak {rss.peak / MiB:.0f} MiB")
+    check.done()
+
+
 # -- transfer codings and versions -----------------------------------------------------------------
 CODINGS = ("gzip, chunked", "deflate, chunked", "gzip", "identity")
 
