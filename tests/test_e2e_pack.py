@@ -10,6 +10,7 @@ cached .tar.xz archives, parts) unpacks as `run.sh unpack` does on the GPU machi
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import random
 import shutil
@@ -206,6 +207,15 @@ def test_a_second_pack_compresses_nothing_and_a_change_only_its_segment(tmp_path
     assert archive.extract(tmp_path / "changed.tar.xz", tmp_path / "x") == 0
     assert read_tree(tmp_path / "x") == changed
     assert len(list(cache.iterdir())) == first["segments"] + 1  # no partial file left
+
+
+def test_a_segment_that_fails_to_compress_fails_the_pack_plainly(tmp_path: Path) -> None:
+    from tests.e2e import archive
+
+    broken = [{"id": lzma.FILTER_LZMA2, "preset": 99}]  # no such preset: the worker raises
+    with pytest.raises(SystemExit, match="error: compressing a segment failed"):
+        pack(tmp_path / "cache", files(), tmp_path / "a.tar.xz", archive.Codec(broken, broken))
+    assert not (tmp_path / "a.tar.xz").exists()
 
 
 def test_cached_segments_nobody_used_for_a_month_go(tmp_path: Path) -> None:

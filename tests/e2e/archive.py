@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import NamedTuple
@@ -223,8 +224,11 @@ class Packer:
             + (f", {self.jobs} at a time" if stats["compressed"] else ""),
             flush=True,
         )
-        for future in self._queued.values():
-            future.result()
+        try:
+            for future in self._queued.values():
+                future.result()
+        except (BrokenProcessPool, OSError, MemoryError, lzma.LZMAError) as error:
+            raise SystemExit(f"error: compressing a segment failed: {error!r}") from error
         for archive, keys in self._archives:
             partial = archive.with_name(archive.name + ".partial")
             with partial.open("wb") as out:

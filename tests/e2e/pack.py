@@ -29,8 +29,8 @@ build/e2e/
 vLLM's DeepSeek-V3.2 attention imports the CuTe DSL (the release's pinned
 `nvidia-cutlass-dsl[cu13]`) on every CUDA GPU, also where it then runs Triton
 (Hopper), and its DCP indexer imports quack-kernels. The DSL's compiled part alone
-nearly fills a carry, so it travels on its own: `run.sh unpack` lays each carry
-out in a store that outlives the run while the machine stays warm.
+is more than a carry holds, so it travels on its own, in parts: `run.sh unpack` lays
+each carry out in a store that outlives the run while the machine stays warm.
 """
 
 from __future__ import annotations
@@ -309,6 +309,8 @@ def main() -> int:
                 "wheels": sorted(w.name for w in wheels),
                 "carry_bytes": sizes,
                 "repository_bytes": repository,
+                "headroom_bytes": HEADROOM,
+                "pack": {"seconds": round(time.monotonic() - started), **packer.stats},
             },
             indent=2,
         )
