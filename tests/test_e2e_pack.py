@@ -287,3 +287,35 @@ def test_the_pack_refuses_a_carry_over_its_room(capsys: pytest.CaptureFixture[st
         " (a device run carries at most 64 MiB with the repository, 8 MiB kept free)"
     ]
     assert "carry vllm-0.33.0:" in capsys.readouterr().out
+
+
+def test_wheels_already_cached_are_taken_without_asking_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second pack asks pip nothing when every pinned wheel is cached (tests/carry.py)."""
+    from tests import carry
+
+    asked: list[tuple[str, ...]] = []
+
+    def pip_download(*requirements: str) -> None:
+        asked.append(requirements)
+        (tmp_path / "cache" / "einops-0.8.2-py3-none-any.whl").write_bytes(b"wheel")
+
+    monkeypatch.setattr(carry, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(carry, "_pip_download", pip_download)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "loguru-0.7.3-py3-none-any.whl").write_bytes(b"wheel")
+    (tmp_path / "cache" / "loguru-0.7.2-py3-none-any.whl").write_bytes(b"an older pin")
+    requirements = tmp_path / "wheels.txt"
+    requirements.write_text("loguru==0.7.3  # a comment\n")
+    assert [w.name for w in carry.wheels(requirements, tmp_path / "out")] == [
+        "loguru-0.7.3-py3-none-any.whl"
+    ]
+    assert [w.name for w in carry.download("loguru==0.7.3")] == ["loguru-0.7.3-py3-none-any.whl"]
+    assert asked == []
+    found = carry.download("loguru==0.7.3", "einops==0.8.2")  # one missing: pip fetches it
+    assert [w.name for w in found] == [
+        "einops-0.8.2-py3-none-any.whl",
+        "loguru-0.7.3-py3-none-any.whl",
+    ]
+    assert asked == [("loguru==0.7.3", "einops==0.8.2")]
