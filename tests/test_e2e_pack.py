@@ -279,14 +279,20 @@ def test_the_pack_refuses_a_carry_over_its_room(capsys: pytest.CaptureFixture[st
 
     repository = 13 << 20
     room = e2e_pack.room(repository)
-    assert room == e2e_pack.CARRY_LIMIT - e2e_pack.HEADROOM - repository
-    assert e2e_pack.check({"vllm-0.33.0": room, "common": 1 << 20}, repository) == []
+    assert room == 64 * 2**20 - repository
+    assert (
+        e2e_pack.check({"vllm-0.33.0": room - e2e_pack.HEADROOM, "common": 1 << 20}, 13 << 20) == []
+    )
+    printed = capsys.readouterr()
+    assert "carry vllm-0.33.0: 43.0 MiB + the repository's 13.0 MiB = 56.0 of 64 MiB" in printed.out
+    assert printed.err == ""
+    assert e2e_pack.check({"vllm-0.33.0": room}, repository) == []  # travels, but warned
+    assert "warning: carry vllm-0.33.0 leaves 0.0 MiB free" in capsys.readouterr().err
     errors = e2e_pack.check({"vllm-0.33.0": room + (1 << 20)}, repository)
     assert errors == [
-        f"error: carry vllm-0.33.0 is 1.0 MiB over its room of {room / 2**20:.1f} MiB"
-        " (a device run carries at most 64 MiB with the repository, 8 MiB kept free)"
+        "error: carry vllm-0.33.0 is 1.0 MiB over its room of 51.0 MiB: a device run carries"
+        " at most 64 MiB, the repository's 13.0 MiB with it"
     ]
-    assert "carry vllm-0.33.0:" in capsys.readouterr().out
 
 
 def test_wheels_already_cached_are_taken_without_asking_the_index(
