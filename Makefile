@@ -102,8 +102,10 @@ gpu-test:  ## GPU suite: run on a CUDA machine (no network) over the packed tree
 E2E_RELEASES ?= $(VLLM_VERSION)
 E2E_GPUS ?= 2
 E2E_STACKS ?= $(foreach r,$(E2E_RELEASES),$(r):tp1:patched $(r):b200-tp2-pcp2:patched $(r):b200-tp1-pcp4-dcp4:patched)
-e2e-pack: $(VENV)/.test-deps  ## end to end: carries of vLLM (sm_90 code only), wheels, tiny models, the profiles' layouts into build/e2e (E2E_RELEASES=… E2E_GPUS=2)
-	$(BIN)/python -m tests.e2e.pack --releases $(E2E_RELEASES) --gpus $(E2E_GPUS) --out build/e2e
+E2E_PACK_CACHE ?= .cache/e2e-pack
+e2e-pack: $(VENV)/.test-deps  ## end to end: carries of vLLM (sm_90 code only), wheels, tiny models, the profiles' layouts into build/e2e (E2E_RELEASES=… E2E_GPUS=2 E2E_PACK_CACHE=DIR)
+	$(BIN)/python -m tests.e2e.pack --releases $(E2E_RELEASES) --gpus $(E2E_GPUS) --out build/e2e \
+	  --cache $(E2E_PACK_CACHE)
 
 e2e:  ## end to end: on a CUDA machine (no network), real vLLM + sidecar + tests/e2e per stack (E2E_STACKS=release:layout:state…)
 	bash tests/e2e/run.sh unpack build/e2e/*

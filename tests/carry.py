@@ -21,21 +21,24 @@ PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)),
 
 def download(*pins: str) -> list[Path]:
     """The cached cp312 wheels of `pins` ("name==version"), downloaded if missing."""
-    _pip_download(*pins)
     wanted = {_normal(pin.split("==")[0]): pin.split("==")[1] for pin in pins}
-    return [wheel for wheel in sorted(CACHE.glob("*.whl")) if _pinned(wheel, wanted)]
+    return _cached(wanted, *pins)
 
 
 def wheels(requirements: Path, dest: Path) -> list[Path]:
     """Copy the wheels `requirements` pins (following `-r` includes) into `dest`."""
-    _pip_download("-r", str(requirements))
-    wanted = _names(requirements)
+    found = _cached(_names(requirements), "-r", str(requirements))
     dest.mkdir(parents=True, exist_ok=True)
-    return [
-        Path(shutil.copy2(wheel, dest / wheel.name))
-        for wheel in sorted(CACHE.glob("*.whl"))
-        if _pinned(wheel, wanted)
-    ]
+    return [Path(shutil.copy2(wheel, dest / wheel.name)) for wheel in found]
+
+
+def _cached(wanted: dict[str, str], *requirements: str) -> list[Path]:
+    """The cached wheels of `wanted`; pip downloads them unless each one is already there."""
+    found = [wheel for wheel in sorted(CACHE.glob("*.whl")) if _pinned(wheel, wanted)]
+    if {wheel.name.split("-")[0].lower() for wheel in found} != set(wanted):
+        _pip_download(*requirements)
+        found = [wheel for wheel in sorted(CACHE.glob("*.whl")) if _pinned(wheel, wanted)]
+    return found
 
 
 def _pip_download(*requirements: str) -> None:

@@ -3,9 +3,11 @@
     python -m tests.e2e.parts join PARTS_DIR ARCHIVE   # exit 0: joined and checked;
                                                        # 3: parts still missing
 
-`make e2e-pack` cuts the CuTe DSL's compiled part (61 MB of xz) into parts of PART_BYTES, each
-a carry of its own beside the repository (`deps-<version>-part<i>/`); `run.sh unpack` collects
-them and joins them once all are there, checking the whole archive's sha256.
+`make e2e-pack` cuts the compiled packages of a CuTe DSL version (the DSL's compiled part,
+TileLang, z3: about 110 MB of xz) into as few parts of equal size as fit the room a carry leaves
+beside the repository (`pack.room`), each a carry of its own (`deps-<version>-part<i>/`);
+`run.sh unpack` collects them and joins them once all are there, checking the whole archive's
+sha256.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-PART_BYTES = 40 << 20  # leaves room for the repository in a 64 MiB carry
 
-
-def split(archive: Path, out: Path, stem: str) -> list[Path]:
-    """`archive` as parts `out/<stem>-part<i>/`, each with the part and parts.json."""
+def split(archive: Path, out: Path, stem: str, most: int) -> list[Path]:
+    """`archive` as parts of at most `most` bytes, as even as may be, in `out/<stem>-part<i>/`,
+    each with the part and parts.json."""
     data = archive.read_bytes()
-    count = max(1, -(-len(data) // PART_BYTES))
+    count = max(1, -(-len(data) // most))
+    size = -(-len(data) // count)
     meta = {"archive": archive.name, "sha256": hashlib.sha256(data).hexdigest(), "parts": count}
     folders = []
     for index in range(count):
@@ -29,7 +31,7 @@ def split(archive: Path, out: Path, stem: str) -> list[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f"{archive.name}.*"):
             stale.unlink()
-        chunk = data[index * PART_BYTES : (index + 1) * PART_BYTES]
+        chunk = data[index * size : (index + 1) * size]
         (folder / f"{archive.name}.{index + 1}").write_bytes(chunk)
         (folder / "parts.json").write_text(json.dumps(meta | {"part": index + 1}) + "\n")
         folders.append(folder)

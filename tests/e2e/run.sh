@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make e2e`, on the GPU machine (no network). Three verbs:
 #   run.sh unpack DIR [DIR ...]    lay out carries of `make e2e-pack` (build/e2e/*) in the store,
-#                                  in any order
+#                                  in any order (their .tar.xz read by Python's lzma:
+#                                  tests/e2e/archive.py)
 #   run.sh serve SPEC [SPEC ...]   start and test stacks (tests/e2e/matrix.py), SPEC being
 #                                  release:layout:state, e.g. 0.29.0:b200-tp1-pcp4-dcp4:pristine
 #   run.sh bench [ARGS ...]        the live benchmark (tests/e2e/bench.py): one stack, direct vs
@@ -34,22 +35,23 @@ case "$verb" in
         vllm-*)
           # The CuTe DSL's Python part and quack go beside its libraries (one package dir).
           dsl=$($PYTHON -c 'import json,sys; print(json.load(open(sys.argv[1]))["cute_dsl_version"])' "$dir/pack.json")
-          mkdir -p "$dest/tree" "$STORE/deps-$dsl/site"
-          tar -xJf "$dir/vllm.tar.xz" -C "$dest/tree" || exit 2
-          tar -xJf "$dir/site.tar.xz" -C "$STORE/deps-$dsl/site" || exit 2
+          $PYTHON -m tests.e2e.archive extract "$dir/vllm.tar.xz" "$dest/tree" || exit 2
+          $PYTHON -m tests.e2e.archive extract "$dir/site.tar.xz" "$STORE/deps-$dsl/site" || exit 2
           cp "$dir/pack.json" "$dest/" || exit 2 ;;
         ext-*)  # the release's MoE and KDA modules, laid over its tree per stack (matrix.py)
-          mkdir -p "$dest/tree" && tar -xJf "$dir/ext.tar.xz" -C "$dest/tree" || exit 2 ;;
+          $PYTHON -m tests.e2e.archive extract "$dir/ext.tar.xz" "$dest/tree" || exit 2 ;;
         envoy)  # the live benchmark's proxies: Envoy's and py-spy's wheels (checked above)
           $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$dest/site" \
             "$dir"/*.whl || exit 2 ;;
-        deps-*-part*)  # one part of the CuTe DSL's libraries: joined once all are here
+        deps-*-part*)  # one part of the compiled packages (CuTe DSL, TileLang, z3): joined
+                       # and unpacked once all are here
           deps="$STORE/${name%-part*}"
           mkdir -p "$deps/parts" "$deps/site"
           cp "$dir"/cute-dsl-libs.tar.xz.* "$dir/parts.json" "$deps/parts/" || exit 2
           $PYTHON -m tests.e2e.parts join "$deps/parts" "$deps/cute-dsl-libs.tar.xz"
           case $? in
-            0) tar -xJf "$deps/cute-dsl-libs.tar.xz" -C "$deps/site" && rm "$deps/cute-dsl-libs.tar.xz" || exit 2 ;;
+            0) $PYTHON -m tests.e2e.archive extract "$deps/cute-dsl-libs.tar.xz" "$deps/site" \
+                 && rm "$deps/cute-dsl-libs.tar.xz" || exit 2 ;;
             3) ;;
             *) exit 2 ;;
           esac ;;
