@@ -4,14 +4,15 @@
 
 On the GPU machine, after `tests/e2e/run.sh unpack` laid out the store: for each state, a
 copy of the release's tree (patched by `mla-serve patches apply`, or left pristine) starts
-vLLM's engine on the tiny DeepSeek-V3.2 (`common/model`, dummy weights) with CUDA graphs and
-vLLM's memory profiling (no --kv-cache-memory-bytes), on one GPU, one state after the other
-(profiling is device-wide). vLLM logs its graph memory estimate, the captured pool, and its
-`--kv-cache-memory` suggestion; the suggestion's gap to the KV cache vLLM allocated in the
-same run shows whether the estimate is counted twice (pristine: the suggestion sits about
-the estimate below what this run uses) or once (patched: off by the estimate's own error and
-vLLM's 150 MiB buffer). Writes FILE (JSON: each state's figures and log lines, the verdict);
-exit 1 when patched still counts the graph memory twice or a start fails.
+vLLM's engine on the tiny DeepSeek-V3.2 (`common/model-deepseek-v3.2`, dummy weights) with
+CUDA graphs and vLLM's memory profiling (no --kv-cache-memory-bytes), on one GPU, one state
+after the other (profiling is device-wide). vLLM logs its graph memory estimate, the
+captured pool, and its `--kv-cache-memory` suggestion; the suggestion's gap to the KV cache
+vLLM allocated in the same run shows whether the estimate is counted twice (pristine: the
+suggestion sits about the estimate below what this run uses) or once (patched: off by the
+estimate's own error and vLLM's 150 MiB buffer). Writes FILE (JSON: each state's figures and
+log lines, the verdict); exit 1 when patched still counts the graph memory twice or a start
+fails.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.matrix import ROOT, prepare, site_paths
+from tests.e2e.model import DEEPSEEK_V32
 
 GiB = 1 << 30
 BUFFER_GIB = 150 / 1024  # vLLM's redundancy buffer in the suggestion
@@ -93,7 +95,7 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    model = args.store / "common" / "model"
+    model = args.store / "common" / DEEPSEEK_V32.directory()
     paths = site_paths(args.store, args.release)
     states: dict[str, Any] = {}
     for state in ("pristine", "patched"):
