@@ -22,6 +22,7 @@ from tests.e2e.model import Tiny
 from tests.scrape import count, samples
 
 MAX_TOKENS = 16
+QUESTION = "Why do sparse attention kernels need a top-k?"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def ask(
 ) -> Any:
     return client.chat.completions.create(
         model=live["model"],
-        messages=[{"role": "user", "content": "Why do sparse attention kernels need a top-k?"}],
+        messages=[{"role": "user", "content": QUESTION}],
         max_tokens=MAX_TOKENS,
         temperature=0,
         logit_bias=never,
@@ -130,9 +131,19 @@ def test_capped_reasoning_reaches_the_client(
     streamed = "".join(reasoning_of(c.choices[0].delta) for c in chunks if c.choices)
     visible = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     message = plain.choices[0].message
+    # vLLM's own answer with the ids it rendered and generated: what the parser was given
+    direct = httpx.post(
+        f"{live['vllm_url']}/v1/chat/completions",
+        json={"model": live["model"], "max_tokens": MAX_TOKENS, "temperature": 0,
+              "logit_bias": never, "return_token_ids": True,
+              "messages": [{"role": "user", "content": QUESTION}],
+              "chat_template_kwargs": switch(tiny, True)},  # fmt: skip
+        timeout=120,
+    ).json()
     keep(
         "capped_reasoning.json",
         {
+            "direct": direct,
             "reasoning_parser": tiny.reasoning_parser,
             "completion_tokens": plain.usage.completion_tokens if plain.usage else None,
             "non_streamed": {"reasoning": reasoning_of(message), "content": message.content},
