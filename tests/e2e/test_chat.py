@@ -132,14 +132,12 @@ def test_capped_reasoning_reaches_the_client(
     visible = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     message = plain.choices[0].message
     # vLLM's own answer with the ids it rendered and generated: what the parser was given
-    direct = httpx.post(
-        f"{live['vllm_url']}/v1/chat/completions",
-        json={"model": live["model"], "max_tokens": MAX_TOKENS, "temperature": 0,
-              "logit_bias": never, "return_token_ids": True,
-              "messages": [{"role": "user", "content": QUESTION}],
-              "chat_template_kwargs": switch(tiny, True)},  # fmt: skip
-        timeout=120,
-    ).json()
+    body = {
+        "model": live["model"], "max_tokens": MAX_TOKENS, "temperature": 0, "logit_bias": never,
+        "return_token_ids": True, "messages": [{"role": "user", "content": QUESTION}],
+        "chat_template_kwargs": switch(tiny, True),
+    }  # fmt: skip
+    direct = httpx.post(f"{live['vllm_url']}/v1/chat/completions", json=body, timeout=120).json()
     keep(
         "capped_reasoning.json",
         {
