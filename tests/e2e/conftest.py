@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.model import MODELS, THINK_END, Tiny
+from tests.e2e.model import MODELS, THINK, THINK_END, Tiny
 
 STACK_ENV = "MLA_SERVE_E2E_STACK"
 
@@ -63,10 +63,12 @@ def tiny(live: dict[str, Any]) -> Tiny:
 
 @pytest.fixture(scope="session")
 def never(tiny: Tiny) -> dict[str, int]:
-    """logit_bias ruling out every stop token and `</think>`: dummy weights may pick them
-    greedily, so thinking-on output never leaves its reasoning and every reply reaches the
-    cap."""
-    return {str(token): -100 for token in (*tiny.stop_ids, tiny.token_id(THINK_END))}
+    """logit_bias ruling out every stop token, `</think>` and `<think>`: dummy weights may
+    pick them greedily, so thinking-on output never leaves its reasoning and every reply
+    reaches the cap, as text (a parser takes a repeated `<think>` for markup, not reasoning:
+    the tiny DeepSeek-V4 and GLM-5.3 picked it 16 times in a row)."""
+    markup = (tiny.token_id(THINK), tiny.token_id(THINK_END))
+    return {str(token): -100 for token in (*tiny.stop_ids, *markup)}
 
 
 def thinking(tiny: Tiny, on: bool) -> dict[str, Any]:
