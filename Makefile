@@ -34,11 +34,11 @@ $(BIN)/mla-serve: pyproject.toml hatch_build.py
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-# The sidecar's C lane (mla_serve/sidecar/_lane.c), in place for the editable install; the
+# The sidecar's C lane (mla_serve/sidecar/passthrough/_lane.c), in place for the editable install; the
 # tests and benchmarks need it (`make dist` does not: without a compiler the install above
 # warns and the sidecar reads in Python).
-LANE := mla_serve/sidecar/_lane.abi3.so
-$(LANE): mla_serve/sidecar/_lane.c hatch_build.py | $(BIN)/mla-serve
+LANE := mla_serve/sidecar/passthrough/_lane.abi3.so
+$(LANE): mla_serve/sidecar/passthrough/_lane.c hatch_build.py | $(BIN)/mla-serve
 	$(BIN)/python hatch_build.py
 
 # What the tests add: CPU torch and the libraries vLLM's pure-Python modules

@@ -1,4 +1,4 @@
-"""Hatchling build hook: the sidecar's C lane (mla_serve/sidecar/_lane.c), compiled.
+"""Hatchling build hook: the sidecar's C lane (mla_serve/sidecar/passthrough/_lane.c), compiled.
 
 The lane does the sidecar's per-read work for token chunks in C (issue 19); without it every
 read goes through the Python path, which has the same effects. It uses CPython's stable ABI
@@ -23,8 +23,8 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-SOURCE = "mla_serve/sidecar/_lane.c"
-TARGET = "mla_serve/sidecar/_lane.abi3.so"
+SOURCE = "mla_serve/sidecar/passthrough/_lane.c"
+TARGET = "mla_serve/sidecar/passthrough/_lane.abi3.so"
 
 
 def compile_lane(root: Path, out: Path, extra: tuple[str, ...] = ()) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_serve.sidecar import proxy
+from mla_serve.sidecar.passthrough import proxy
 from tests.bench import bench_hot_path
 
 

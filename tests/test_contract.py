@@ -1,4 +1,4 @@
-"""The plugin -> sidecar contract (mla_serve/contract.py) and the metrics table.
+"""The plugin -> sidecar contract (mla_serve/engine/contract.py) and the metrics table.
 
 The baseline `fixtures/contract/recorded-f8c48ab.json` was recorded on the code before
 the contract (commit f8c48ab: untyped dicts, hand-written metric families) from the inputs
@@ -25,15 +25,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mla_serve import contract
-from mla_serve.contract import ContractError, RankRecord
-from mla_serve.plugin import state
-from mla_serve.sidecar import engine, status, vllm_log
-from mla_serve.sidecar.fixes import FixReport
-from mla_serve.sidecar.health import Verdict
-from mla_serve.sidecar.metrics import SidecarCollector, View
+from mla_serve.engine import contract, ranks, state, vllm_log
+from mla_serve.engine.contract import ContractError, RankRecord
+from mla_serve.sidecar.admin import status
+from mla_serve.sidecar.admin.fixes import FixReport
+from mla_serve.sidecar.admin.health import Verdict
+from mla_serve.sidecar.admin.metrics import SidecarCollector, View
+from mla_serve.sidecar.admin.vllm_monitor import VllmSnapshot
 from mla_serve.sidecar.settings import Settings
-from mla_serve.sidecar.vllm_monitor import VllmSnapshot
 from tests.scrape import samples
 from tests.test_sidecar import _plugin_state
 from tests.vllm_standin import StandIn
@@ -54,7 +53,7 @@ def _families(text: str) -> dict[str, Any]:
     return found
 
 
-def _scenario(found: engine.Engine) -> dict[str, Any]:
+def _scenario(found: ranks.Engine) -> dict[str, Any]:
     snapshot = VllmSnapshot(checked_at=1.0, health_status=200, version="0.33.0")
     view = View(snapshot, FixReport(path=None), found, True)
     registry = CollectorRegistry()
@@ -90,10 +89,10 @@ def test_what_was_exposed_before_the_contract_is_exposed_unchanged(tmp_path: Pat
         now = json.loads(path.read_text())
         assert {key: now.get(key, "absent") for key in before} == before
         assert contract.decode(before) == record
-    plugin = _scenario(engine.read(tmp_path / "state", None))
+    plugin = _scenario(ranks.read(tmp_path / "state", None))
     log = vllm_log.LogFile(FIXTURES / "vllm.log")
     log.refresh()
-    logged = _scenario(engine.read(None, log))
+    logged = _scenario(ranks.read(None, log))
     for name, now in (("plugin", plugin), ("log", logged)):
         before = recorded[name]
         for family, exposed in before["metrics"].items():
@@ -102,21 +101,21 @@ def test_what_was_exposed_before_the_contract_is_exposed_unchanged(tmp_path: Pat
                 assert exposed["help"] == was, (name, family)
                 exposed = {**exposed, "help": becomes}
             assert now["metrics"].get(family) == exposed, (name, family)
-        ranks = now["status_engine"]["ranks"]
-        assert [rank["rank"] for rank in ranks] == [
+        listed = now["status_engine"]["ranks"]
+        assert [rank["rank"] for rank in listed] == [
             r["rank"] for r in before["status_engine"]["ranks"]
         ]
-        for rank, old in zip(ranks, before["status_engine"]["ranks"], strict=True):
+        for rank, old in zip(listed, before["status_engine"]["ranks"], strict=True):
             figures = {key: rank["figures"].get(key) for key in old["figures"]}
             assert figures == old["figures"], (name, rank["rank"])
     # The exposition's text, as tests matching it as text see it.
-    text = _exposition(engine.read(tmp_path / "state", None))
+    text = _exposition(ranks.read(tmp_path / "state", None))
     assert 'mla_serve_cudagraph_mode_info{mode="PIECEWISE",rank="1"} 1.0' in text
     assert 'mla_serve_sparse_mla_workspace_bytes{kind="predicted",rank="0"}' in text
     assert 'mla_serve_attention_backend_info{backend="TRITON_MLA",rank="1"} 1.0' in text
 
 
-def _exposition(found: engine.Engine) -> str:
+def _exposition(found: ranks.Engine) -> str:
     snapshot = VllmSnapshot(checked_at=1.0, health_status=200)
     registry = CollectorRegistry()
     registry.register(SidecarCollector(lambda: View(snapshot, FixReport(None), found, True)))
@@ -243,8 +242,8 @@ def test_the_table_agrees_with_the_record(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 MYPY_SNIPPET = """
-from mla_serve.contract import Figure, RankRecord, Series
-from mla_serve.sidecar.engine import Rank
+from mla_serve.engine.contract import Figure, RankRecord, Series
+from mla_serve.engine.ranks import Rank
 
 record = RankRecord(rank=0, {keyword}=12.5)
 seconds: float | None = record.{attribute}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mla_serve.patching import journal
-from mla_serve.sidecar import fixes
+from mla_serve.sidecar.admin import fixes
 from tests import trees
 
 

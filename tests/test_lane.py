@@ -1,4 +1,4 @@
-"""The C lane (mla_serve/sidecar/_lane.c) against the Python path, read for read (issue 19).
+"""The C lane (mla_serve/sidecar/passthrough/_lane.c) against the Python path, read for read.
 
 Each case runs the same upstream bytes twice through the code a chat request takes without
 ASGI (fast.FastExchange on an upstream.Connection, no sockets): once with the lane (the
@@ -32,10 +32,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import hatch_build
-from mla_serve.sidecar import fast, proxy, upstream
 from mla_serve.sidecar import settings as settings_
-from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
-from mla_serve.sidecar.runaways import Ledger
+from mla_serve.sidecar.guard.loops import LoopGuard, ResponseGuard
+from mla_serve.sidecar.passthrough import fast, proxy, upstream
+from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings, SettingsError
 from tests import loop_corpus
 from tests.bench import bench_hot_path
@@ -53,7 +53,9 @@ HEAD = (
 def test_the_lane_is_built() -> None:
     """`make test` builds it (MLA_SERVE_BUILD_LANE=require): the parity below must not pass
     by running the Python path twice."""
-    assert upstream._lane is not None, "mla_serve/sidecar/_lane.c is not built: make test builds it"
+    assert upstream._lane is not None, (
+        "mla_serve/sidecar/passthrough/_lane.c is not built: make test builds it"
+    )
 
 
 def run(
@@ -430,8 +432,8 @@ def test_the_wheel_carries_the_lane_unless_told_not_to(tmp_path: Path, mode: str
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     if mode == "require":
         assert wheel.name.endswith(f"-cp311-abi3-{platform}.whl")
-        assert "mla_serve/sidecar/_lane.abi3.so" in names
+        assert "mla_serve/sidecar/passthrough/_lane.abi3.so" in names
     else:
         assert wheel.name.endswith("-py3-none-any.whl")
         assert not [name for name in names if name.endswith(".so")]
-    assert "mla_serve/sidecar/_lane.pyi" in names
+    assert "mla_serve/sidecar/passthrough/_lane.pyi" in names

@@ -1,4 +1,4 @@
-"""The loop detector (mla_serve/sidecar/loops.py) on the corpus of tests/loop_corpus.py.
+"""The loop detector (mla_serve/sidecar/guard/loops.py) on the corpus of tests/loop_corpus.py.
 
 Every loop shape is caught, streamed in several chunkings and checked whole, soon after the
 loop reaches `min_repeats` units and `min_chars` characters; no legitimate text is ever
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mla_serve.sidecar.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
-from mla_serve.sidecar.runaways import Completion
+from mla_serve.sidecar.guard.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
+from mla_serve.sidecar.passthrough.runaways import Completion
 from tests.loop_corpus import (
     CLOSING,
     LEGIT,

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from mla_serve.sidecar.runaways import Choice
+from mla_serve.sidecar.passthrough.runaways import Choice
 from tests.scrape import count
 
 MODEL = "glm-5.3-flash"

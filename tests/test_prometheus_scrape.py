@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mla_serve.plugin import state
+from mla_serve.engine import state
 from mla_serve.sidecar.settings import Settings
 from tests.http_server import free_port
 from tests.test_sidecar import _plugin_state

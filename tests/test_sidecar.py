@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mla_serve.contract import ManifestCheck, Parallel, RankRecord
-from mla_serve.plugin import state
+from mla_serve.engine import state
+from mla_serve.engine.contract import ManifestCheck, Parallel, RankRecord
 from mla_serve.sidecar.settings import Settings
 from tests import trees
 from tests.scrape import samples
@@ -100,7 +100,7 @@ def test_unreachable_slow_or_garbage_vllm_never_hangs_the_sidecar(vllm, sidecar)
 
 
 def _plugin_state(rank: int, mode: str, workspace: int | None) -> RankRecord:
-    """A rank record as the engine plugin writes it (see mla_serve/plugin/collect.py)."""
+    """A rank record as the engine plugin writes it (see mla_serve/engine/plugin/collect.py)."""
     return RankRecord(
         rank=rank,
         local_rank=rank,
@@ -226,7 +226,7 @@ def test_models_and_version_are_asked_when_they_can_have_changed_not_on_every_ch
 
     import aiohttp
 
-    from mla_serve.sidecar.vllm_monitor import VllmMonitor
+    from mla_serve.sidecar.admin.vllm_monitor import VllmMonitor
 
     async def checks(monitor: VllmMonitor, count: int) -> None:
         async with aiohttp.ClientSession(base_url=vllm.url) as session:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mla_serve.sidecar.proxy import _loads
+from mla_serve.sidecar.passthrough.proxy import _loads
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = sorted(glob.glob(str(ROOT / "tests/e2e/results/*/*/recorded_streams.json")))

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from mla_serve.sidecar import routes, sse, vllm_log
+from mla_serve.engine import vllm_log
+from mla_serve.sidecar.passthrough import routes, sse
 
 
 def _events(end: bytes) -> bytes:

@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from mla_serve.sidecar import proxy, serve, upstream
+from mla_serve.sidecar import serve
 from mla_serve.sidecar.app import create_app
+from mla_serve.sidecar.passthrough import proxy, upstream
 from mla_serve.sidecar.settings import Settings
 from tests.hostile import wire
 from tests.hostile.wire import dechunk
@@ -464,7 +465,7 @@ def test_the_fast_path_is_off_on_a_uvicorn_it_does_not_know(monkeypatch, caplog)
     a protocol that lacks one (another uvicorn), the sidecar keeps the ASGI path and says so."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from mla_serve.sidecar import fast
+    from mla_serve.sidecar.passthrough import fast
 
     assert fast.compatible(HttpToolsProtocol)  # the uvicorn of every image lock
 
@@ -500,8 +501,8 @@ def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
 def _guard() -> tuple[proxy.Proxy, object]:
     from prometheus_client import CollectorRegistry
 
-    from mla_serve.sidecar.loops import LoopConfig, LoopGuard, LoopPolicy
-    from mla_serve.sidecar.runaways import Ledger
+    from mla_serve.sidecar.guard.loops import LoopConfig, LoopGuard, LoopPolicy
+    from mla_serve.sidecar.passthrough.runaways import Ledger
 
     registry = CollectorRegistry()
     config = LoopConfig(min_repeats=4, window_chars=512, min_chars=64)
@@ -521,7 +522,7 @@ def _state(completion: object, guard: object) -> object:
 def _classify(events: list[bytes], fast: bool) -> tuple[object, list[bytes], int]:
     """Each event as the stream path takes it (fast: token chunks through token_chunk once
     the stream's head is known), or every one through Proxy._one."""
-    from mla_serve.sidecar.runaways import Completion
+    from mla_serve.sidecar.passthrough.runaways import Completion
 
     sidecar, loops = _guard()
     guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, "/v1/chat/completions")  # type: ignore[attr-defined]

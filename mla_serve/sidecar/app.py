@@ -13,16 +13,26 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mla_serve import __version__
-from mla_serve.sidecar import engine, fixes, health, routes, status, upstream, vllm_log
+from mla_serve.engine import ranks, vllm_log
 from mla_serve.sidecar import settings as settings_
-from mla_serve.sidecar.canary import Canary
-from mla_serve.sidecar.fast import FastPath
-from mla_serve.sidecar.loops import LoopGuard
-from mla_serve.sidecar.metrics import SidecarCollector, View
-from mla_serve.sidecar.proxy import Proxy, ProxySettings, QuietAborts, Receive, Refused, Scope, Send
-from mla_serve.sidecar.runaways import Ledger
+from mla_serve.sidecar.admin import fixes, health, status
+from mla_serve.sidecar.admin.canary import Canary
+from mla_serve.sidecar.admin.metrics import SidecarCollector, View
+from mla_serve.sidecar.admin.vllm_monitor import VllmMonitor
+from mla_serve.sidecar.guard.loops import LoopGuard
+from mla_serve.sidecar.passthrough import routes, upstream
+from mla_serve.sidecar.passthrough.fast import FastPath
+from mla_serve.sidecar.passthrough.proxy import (
+    Proxy,
+    ProxySettings,
+    QuietAborts,
+    Receive,
+    Refused,
+    Scope,
+    Send,
+)
+from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
-from mla_serve.sidecar.vllm_monitor import VllmMonitor
 
 log = logging.getLogger("mla_serve.sidecar")
 # vLLM's log grows by a line per request and a stats line every 10 s: up to this many new
@@ -133,7 +143,7 @@ class Sidecar:
         )
 
     def view(self) -> View:
-        found = engine.read(self.settings.state_dir, self.log_file)
+        found = ranks.read(self.settings.state_dir, self.log_file)
         return View(self.monitor.snapshot, self.fix_report, found, self.readiness().ok)
 
     async def verify_fixes_once(self) -> None:

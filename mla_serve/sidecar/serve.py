@@ -41,10 +41,10 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mla_serve.sidecar import fast, http1
 from mla_serve.sidecar.app import create_app
-from mla_serve.sidecar.fast import FastExchange, FastPath
-from mla_serve.sidecar.proxy import CLIENT_GONE
+from mla_serve.sidecar.passthrough import fast, http1
+from mla_serve.sidecar.passthrough.fast import FastExchange, FastPath
+from mla_serve.sidecar.passthrough.proxy import CLIENT_GONE
 from mla_serve.sidecar.settings import Settings, SettingsError
 
 try:

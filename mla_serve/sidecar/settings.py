@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the guard (and prometheus_client) load when the sidecar starts, not per CLI
-    from mla_serve.sidecar.loops import LoopPolicy
+    from mla_serve.sidecar.guard.loops import LoopPolicy
 
-from mla_serve.sidecar import routes
+from mla_serve.sidecar.passthrough import routes
 
 
 @dataclass(frozen=True)
@@ -331,7 +331,7 @@ REPETITION_KEYS = ("max_pattern_size", "min_pattern_size", "min_count")
 
 
 def _loop_policy(settings: Settings) -> LoopPolicy:
-    from mla_serve.sidecar.loops import ACTIONS, LoopConfig, LoopPolicy
+    from mla_serve.sidecar.guard.loops import ACTIONS, LoopConfig, LoopPolicy
 
     def action(value: str, where: str) -> str:
         if value not in ACTIONS:
@@ -396,7 +396,7 @@ def upstream_client(settings: Settings) -> str:
     choice = settings.upstream_client
     if choice not in ("auto", "direct", "aiohttp"):
         raise ValueError(f"--upstream-client must be one of auto, direct, aiohttp, got {choice!r}")
-    from mla_serve.sidecar.proxy import upstream_client as choose
+    from mla_serve.sidecar.passthrough.proxy import upstream_client as choose
 
     return choose(settings.upstream_client, settings.vllm_url)
 
@@ -407,7 +407,7 @@ def lane(settings: Settings) -> bool:
     choice = settings.lane
     if choice not in ("auto", "on", "off"):
         raise ValueError(f"--lane must be one of auto, on, off, got {choice!r}")
-    from mla_serve.sidecar import upstream
+    from mla_serve.sidecar.passthrough import upstream
 
     if choice == "on" and not upstream.LANE_BUILT:
         raise ValueError("--lane on: the C lane (mla_serve/sidecar/_lane) is not built in this "

@@ -2,13 +2,13 @@
 
 In this process, no sockets: every stream vLLM 0.28.0, 0.29.0 and 0.33.0 sent on an H200
 (`tests/e2e/results/*/*/recorded_streams.json`) goes through the code the sidecar runs for a
-chat request without ASGI (mla_serve/sidecar/fast.py's FastExchange, the runaway guard in its
-default `observe` mode): the request side (the client's body taken, checked and made into
-the bytes for vLLM: `request_body`, `inspect`, `_request_bytes`), then the response side (the
-head, every recorded read through the upstream callbacks `body` and `fed`, the end: the last
-bytes, the completion settled and counted). Writes go to a transport that keeps them; the
-bytes the client would get are checked against the recording, and the ledger's count against
-the streams run (exit 1 when either is off).
+chat request without ASGI (mla_serve/sidecar/passthrough/fast.py's FastExchange, the runaway
+guard in its default `observe` mode): the request side (the client's body taken, checked and
+made into the bytes for vLLM: `request_body`, `inspect`, `_request_bytes`), then the
+response side (the head, every recorded read through the upstream callbacks `body` and
+`fed`, the end: the last bytes, the completion settled and counted). Writes go to a
+transport that keeps them; the bytes the client would get are checked against the recording,
+and the ledger's count against the streams run (exit 1 when either is off).
 
 Reported, not judged: CPU microseconds per request (request side, response side less its
 token chunks) and per token chunk (the reads the byte-exact token match takes): the best of
@@ -35,9 +35,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mla_serve.sidecar import fast, proxy, upstream
-from mla_serve.sidecar.loops import LoopGuard
-from mla_serve.sidecar.runaways import Ledger
+from mla_serve.sidecar.guard.loops import LoopGuard
+from mla_serve.sidecar.passthrough import fast, proxy, upstream
+from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
 from tests.bench.bench_replay import RECORDINGS
 from tests.bench.passthrough import replay

@@ -1,4 +1,4 @@
-"""`make bench`: what the runaway guard (mla_serve/sidecar/loops.py) costs the sidecar (issue 15).
+"""`make bench`: what the runaway guard (mla_serve/sidecar/guard/loops.py) costs the sidecar.
 
 1. The sidecar process: the same streamed load through a sidecar with `--loop-action off` and
    one with `--loop-action observe` (the default), in alternating rounds, against the fast
@@ -32,9 +32,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mla_serve.sidecar.loops import LoopGuard, LoopPolicy
-from mla_serve.sidecar.proxy import Proxy, ProxySettings
-from mla_serve.sidecar.runaways import Completion, Ledger
+from mla_serve.sidecar.guard.loops import LoopGuard, LoopPolicy
+from mla_serve.sidecar.passthrough.proxy import Proxy, ProxySettings
+from mla_serve.sidecar.passthrough.runaways import Completion, Ledger
 from tests.bench.bench_passthrough import LOADGEN, MODEL, ROOT, UPSTREAM, run_loadgen
 from tests.bench.passthrough import proxies
 from tests.bench.passthrough.procs import Proc, wait_http

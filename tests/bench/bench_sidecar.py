@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from mla_serve.plugin import state
+from mla_serve.engine import state
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
 from tests import trees

@@ -68,7 +68,7 @@ ROOT = HERE.parents[1]
 PATHS = ("direct", "sidecar", "sidecar@base", "envoy")
 PROXIES = ("sidecar", "sidecar@base", "envoy")
 SIDECARS = ("sidecar", "sidecar@base")
-BASE_MODULE = "mla_serve/sidecar/proxy.py"  # what a --compare-src checkout must hold
+BASE_MODULE = "mla_serve/sidecar/passthrough/proxy.py"  # what a --compare-src checkout must hold
 CLIENT = HERE / "bench_client.py"
 STREAMS_PER_CLIENT = 16
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -1024,7 +1024,7 @@ def conclude(result: dict[str, Any], bench: Bench) -> None:
     if not lane.get("lane") or not lane.get("lane_reads"):
         result["checks"]["problems"].append(
             f"the sidecar read no token chunk in C ({lane or 'no /status pass_through'}): the "
-            "image has its lane (mla_serve/sidecar/_lane.c)"
+            "image has its lane (mla_serve/sidecar/passthrough/_lane.c)"
         )
     result["skipped"] = bench.skipped
 

@@ -67,7 +67,7 @@ esac
 [ -d "$STORE/common" ] || { echo "no $STORE/common: run 'run.sh unpack build/e2e/common' first" >&2; exit 2; }
 # The sidecar runs from this checkout; its C lane (built into the carried mla-serve wheel by
 # `make e2e-pack`) goes beside it, as the image installs it.
-LANE=mla_serve/sidecar/_lane.abi3.so
+LANE=mla_serve/sidecar/passthrough/_lane.abi3.so
 if [ -f "$STORE/common/site/$LANE" ]; then
   cp "$STORE/common/site/$LANE" "$LANE" || exit 2
 else

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mla_serve.sidecar import vllm_log as log_parser
+from mla_serve.engine import vllm_log as log_parser
 from tests.scrape import samples
 
 # Runtime modes whose graphs each resolved CUDA graph mode captures.

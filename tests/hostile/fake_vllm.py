@@ -40,7 +40,7 @@ from typing import Any
 from tests.vllm_standin import VERSION, Script, model_list
 
 CHUNK = 64 * 1024
-HEAD_LIMIT = 64 * 1024  # mla_serve.sidecar.upstream.MAX_HEAD_BYTES
+HEAD_LIMIT = 64 * 1024  # mla_serve.sidecar.passthrough.upstream.MAX_HEAD_BYTES
 OPENAI = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
 
 

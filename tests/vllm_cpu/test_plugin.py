@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import mla_serve.plugin as plugin
-from mla_serve.plugin import state
+import mla_serve.engine.plugin as plugin
+from mla_serve.engine import state
 
 HOOKED = {
     "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", "capture_model"),

@@ -6,12 +6,7 @@ import ast
 from collections.abc import Callable
 
 from mla_serve.patching.probes import ProbeResult, probe
-from mla_serve.patching.probes.syntax import (
-    FLASHINFER_SPARSE,
-    calls,
-    find_function,
-    parse_module,
-)
+from mla_serve.patching.probes.syntax import FLASHINFER_SPARSE, calls, find_function, parse_module
 from mla_serve.patching.tree import VllmTree
 
 # Seed 002: 64 heads per rank, DCP 4, vLLM's 394 MiB default workspace.

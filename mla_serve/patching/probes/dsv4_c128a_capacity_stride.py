@@ -5,12 +5,7 @@ from __future__ import annotations
 import ast
 
 from mla_serve.patching.probes import ProbeResult, probe
-from mla_serve.patching.probes.syntax import (
-    called_name,
-    calls,
-    find_function,
-    parse_module,
-)
+from mla_serve.patching.probes.syntax import called_name, calls, find_function, parse_module
 from mla_serve.patching.tree import VllmTree
 
 DSV4_SPARSE_MLA = "vllm/models/deepseek_v4/sparse_mla.py"

@@ -5,11 +5,7 @@ from __future__ import annotations
 import ast
 
 from mla_serve.patching.probes import ProbeResult, probe
-from mla_serve.patching.probes.syntax import (
-    FLASHINFER_SPARSE,
-    find_function,
-    parse_module,
-)
+from mla_serve.patching.probes.syntax import FLASHINFER_SPARSE, find_function, parse_module
 from mla_serve.patching.tree import VllmTree
 
 

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from mla_serve.patching.probes import ProbeResult, probe
-from mla_serve.patching.probes.syntax import (
-    INDEXER,
-    calls,
-    find_function,
-    parse_module,
-)
+from mla_serve.patching.probes.syntax import INDEXER, calls, find_function, parse_module
 from mla_serve.patching.tree import VllmTree
 
 

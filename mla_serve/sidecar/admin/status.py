@@ -6,10 +6,10 @@ import html
 import json
 from typing import Any
 
-from mla_serve import contract
-from mla_serve.sidecar.engine import Rank
-from mla_serve.sidecar.health import Verdict
-from mla_serve.sidecar.metrics import View
+from mla_serve.engine import contract
+from mla_serve.engine.ranks import Rank
+from mla_serve.sidecar.admin.health import Verdict
+from mla_serve.sidecar.admin.metrics import View
 
 
 def document(view: View, verdict: Verdict, vllm_url: str, extra: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from mla_serve.contract import RankRecord
+from mla_serve.engine.contract import RankRecord
 
 _CONFIG_MODE = re.compile(r"['\"]cudagraph_mode['\"]: <?(?:CUDAGraphMode\.)?([A-Z_]+)")
 _CONFIG_SIZES = re.compile(r"['\"]cudagraph_capture_sizes['\"]: \[([0-9, ]*)\]")

@@ -37,7 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from mla_serve.sidecar.runaways import Completion, Usage
+from mla_serve.sidecar.passthrough.runaways import Completion, Usage
 
 ACTIONS = ("off", "observe", "stop")
 STOP_REASON = "loop_detected"  # the stopped choice's `stop_reason` (a vLLM field)

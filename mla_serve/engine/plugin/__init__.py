@@ -8,7 +8,7 @@ entry point. The plugin wraps two methods, when their modules are imported:
 - `Worker.compile_or_warm_up_model`: runs last before the rank serves, after
   any backend downgrade of the CUDA graph mode, with or without capture.
 
-After each, the rank's record (`mla_serve.contract.RankRecord`: resolved CUDA
+After each, the rank's record (`mla_serve.engine.contract.RankRecord`: resolved CUDA
 graph mode, capture sizes, time and memory, attention backends, sparse-MLA
 workspace, parallel layout, whether its patched files still match the fix
 manifest) is written to $MLA_SERVE_STATE_DIR.
@@ -27,9 +27,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from mla_serve.contract import Phase
-from mla_serve.plugin import imports, state
-from mla_serve.plugin.collect import collect
+from mla_serve.engine import state
+from mla_serve.engine.contract import Phase
+from mla_serve.engine.plugin import imports
+from mla_serve.engine.plugin.collect import collect
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ sidecar generates both its /status figures and its /metrics engine series from i
 
 Adding an engine figure with its metric: a field on `RankRecord` and its name in
 `FigureName` and a row in `FIGURES` (this file), the code that fills it in
-mla_serve/plugin/collect.py, and a test. Decoding, /status and /metrics follow.
+mla_serve/engine/plugin/collect.py, and a test. Decoding, /status and /metrics follow.
 
 The schema version changes only when a field changes meaning or type, or
 disappears: a new optional field keeps it (an older reader ignores fields it does

@@ -53,10 +53,10 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from yarl import URL
 
-from mla_serve.sidecar import sse, upstream
-from mla_serve.sidecar.loops import LoopGuard, ResponseGuard
-from mla_serve.sidecar.routes import OPENAI_ROUTES, Routes, normalize
-from mla_serve.sidecar.runaways import Choice, Completion, Ledger
+from mla_serve.sidecar.guard.loops import LoopGuard, ResponseGuard
+from mla_serve.sidecar.passthrough import sse, upstream
+from mla_serve.sidecar.passthrough.routes import OPENAI_ROUTES, Routes, normalize
+from mla_serve.sidecar.passthrough.runaways import Choice, Completion, Ledger
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

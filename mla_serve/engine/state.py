@@ -18,8 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mla_serve import contract
-from mla_serve.contract import RankRecord
+from mla_serve.engine import contract
+from mla_serve.engine.contract import RankRecord
 
 STATE_DIR_ENV = "MLA_SERVE_STATE_DIR"
 MAX_BYTES = 1 << 20  # a rank file is about 1 KiB; anything this large is not one

@@ -22,7 +22,7 @@ import asyncio
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from mla_serve.sidecar import http1
+from mla_serve.sidecar.passthrough import http1
 
 try:
     import httptools
@@ -32,7 +32,7 @@ except ImportError:  # not in every install: the pass-through then uses aiohttp 
 AVAILABLE = httptools is not None
 
 try:
-    from mla_serve.sidecar import _lane
+    from mla_serve.sidecar.passthrough import _lane
 except ImportError:  # a build without a C compiler: every read in Python, the same effects
     _lane = None  # type: ignore[assignment]
 

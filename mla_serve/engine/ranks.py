@@ -12,10 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mla_serve import contract
-from mla_serve.contract import FigureName, RankRecord
-from mla_serve.plugin import state
-from mla_serve.sidecar import vllm_log
+from mla_serve.engine import contract, state, vllm_log
+from mla_serve.engine.contract import FigureName, RankRecord
 from mla_serve.sizing.workspace import workspace_bytes
 
 FLASHINFER_SPARSE = "FLASHINFER_MLA_SPARSE"

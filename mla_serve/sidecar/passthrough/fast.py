@@ -28,8 +28,8 @@ import http
 import logging
 from typing import Any
 
-from mla_serve.sidecar import upstream
-from mla_serve.sidecar.proxy import (
+from mla_serve.sidecar.passthrough import upstream
+from mla_serve.sidecar.passthrough.proxy import (
     CLASSIFIED,
     CLOSING,
     Exchange,

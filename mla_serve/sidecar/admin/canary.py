@@ -18,9 +18,9 @@ from typing import Any
 
 import aiohttp
 
-from mla_serve.sidecar.loops import LoopConfig, final_loops
-from mla_serve.sidecar.runaways import Completion, Ledger
-from mla_serve.sidecar.vllm_monitor import VllmMonitor, auth_headers
+from mla_serve.sidecar.admin.vllm_monitor import VllmMonitor, auth_headers
+from mla_serve.sidecar.guard.loops import LoopConfig, final_loops
+from mla_serve.sidecar.passthrough.runaways import Completion, Ledger
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mla_serve.contract import ManifestCheck, Parallel, Phase, RankRecord
+from mla_serve.engine.contract import ManifestCheck, Parallel, Phase, RankRecord
 from mla_serve.patching import manifest, tree
 
 FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"

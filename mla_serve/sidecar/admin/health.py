@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mla_serve.sidecar.fixes import FixReport
-from mla_serve.sidecar.vllm_monitor import VllmSnapshot
+from mla_serve.sidecar.admin.fixes import FixReport
+from mla_serve.sidecar.admin.vllm_monitor import VllmSnapshot
 
 
 @dataclass(frozen=True)

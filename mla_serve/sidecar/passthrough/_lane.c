@@ -621,7 +621,7 @@ static PyType_Slot Lane_slots[] = {
 };
 
 static PyType_Spec Lane_spec = {
-    "mla_serve.sidecar._lane.Lane", sizeof(Lane), 0,
+    "mla_serve.sidecar.passthrough._lane.Lane", sizeof(Lane), 0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, Lane_slots,
 };
 
@@ -712,7 +712,7 @@ static PyModuleDef_Slot module_slots[] = {
 };
 
 static struct PyModuleDef lane_module = {
-    PyModuleDef_HEAD_INIT, "mla_serve.sidecar._lane",
+    PyModuleDef_HEAD_INIT, "mla_serve.sidecar.passthrough._lane",
     "The per-read path of a token stream in C (see _lane.c).", 0, module_methods, module_slots,
     NULL, NULL, NULL,
 };

@@ -2,7 +2,7 @@
 
 Gauges are computed at scrape time from the sidecar's current view (vLLM
 snapshot, fix report, engine ranks), so a scrape never shows a stale mix. The
-engine series are generated from the table `mla_serve.contract.FIGURES`.
+engine series are generated from the table `mla_serve.engine.contract.FIGURES`.
 Naming follows Prometheus' rules: base units (seconds, bytes), `_info` gauges
 of value 1 carrying labels, `_total` for counters.
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mla_serve.contract import FIGURES, Figure, check_table
+from mla_serve.engine.contract import FIGURES, Figure, check_table
+from mla_serve.engine.ranks import Engine, Rank
 from mla_serve.patching.catalog import Status
-from mla_serve.sidecar.engine import Engine, Rank
-from mla_serve.sidecar.fixes import FixReport
-from mla_serve.sidecar.vllm_monitor import VllmSnapshot
+from mla_serve.sidecar.admin.fixes import FixReport
+from mla_serve.sidecar.admin.vllm_monitor import VllmSnapshot
 
 check_table()  # the sidecar refuses to start on a table that disagrees with the record
 

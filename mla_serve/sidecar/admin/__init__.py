@@ -1,0 +1,1 @@
+"""The admin port: health, status, metrics, the fix manifest, the canary."""

@@ -1,0 +1,1 @@
+"""The runaway guard: reasoning loops found in the pass-through's text, counted, stopped."""

@@ -1,0 +1,1 @@
+"""The OpenAI pass-through: requests to vLLM and its answers back, classified."""
