@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from mla_serve import __version__
+from mla_serve.engine import manifest as recorded
+
+# Read as the engine side reads it; re-exported, the patch engine's manifest API is here whole.
+from mla_serve.engine.manifest import FILENAME as FILENAME
+from mla_serve.engine.manifest import SCHEMA as SCHEMA
+from mla_serve.engine.manifest import ManifestError as ManifestError
+from mla_serve.engine.manifest import read as read
 from mla_serve.patching import diff, engine, journal, probes
 from mla_serve.patching.catalog import Catalog, CatalogError, Status
 from mla_serve.patching.tree import VllmTree, sha256
-
-FILENAME = "mla_serve_manifest.json"
-SCHEMA = 1
-
-
-class ManifestError(Exception):
-    """No manifest, or one that cannot be read."""
 
 
 def default_path(tree: VllmTree) -> Path:
@@ -79,59 +79,6 @@ def write(path: Path, document: dict[str, Any]) -> None:
         raise ManifestError(str(error)) from None
 
 
-def read(path: Path) -> dict[str, Any]:
-    try:
-        document = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ManifestError(f"no manifest at {path}; run `mla-serve patches apply` first") from None
-    except (OSError, ValueError, RecursionError) as error:
-        reason = getattr(error, "strerror", None) or error
-        raise ManifestError(f"cannot read manifest {path}: {reason}") from None
-    problem = _shape_problem(document)
-    if problem:
-        raise ManifestError(f"{path} is not an mla-serve manifest (schema {SCHEMA}): {problem}")
-    checked: dict[str, Any] = document
-    return checked
-
-
-def _shape_problem(document: object) -> str | None:
-    """What makes a document unusable as a manifest, or None (types, not trust)."""
-    required = {"schema", "vllm_version", "release", "series", "fixes", "files"}
-    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
-        return f"no schema {SCHEMA}"
-    if not required <= document.keys():
-        return "missing " + ", ".join(sorted(required - document.keys()))
-    if not all(isinstance(document[k], str) for k in ("vllm_version", "release")):
-        return "vllm_version and release must be strings"
-    series = document["series"]
-    if not isinstance(series, dict) or not isinstance(series.get("digest"), str):
-        return "series must have a digest"
-    if not isinstance(series.get("patches"), list):
-        return "series must list its patches"
-    fixes, files = document["fixes"], document["files"]
-    if not isinstance(fixes, list) or not all(
-        isinstance(f, dict) and isinstance(f.get("id"), str) for f in fixes
-    ):
-        return "fixes must be a list of objects with an id"
-    if not isinstance(files, list) or not all(
-        isinstance(f, dict)
-        and isinstance(f.get("path"), str)
-        and isinstance(f.get("sha256_after"), str | None)
-        for f in files
-    ):
-        return "files must be a list of objects with a path and sha256_after"
-    for row in files:
-        name = row["path"]
-        if name.startswith("/") or "\\" in name or ".." in name.split("/"):
-            return f"file path {name!r} is not a relative path inside the vLLM tree"
-    originals = document.get("originals", {})
-    if not isinstance(originals, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in originals.items()
-    ):
-        return "originals must map file paths to their text"
-    return None
-
-
 @dataclass(frozen=True)
 class Drift:
     what: str
@@ -141,14 +88,14 @@ class Drift:
 def changed_files(
     tree: VllmTree, document: dict[str, Any]
 ) -> list[tuple[str, str | None, str | None]]:
-    """(path, sha256 now or None if missing, sha256 the manifest records) of each changed file."""
-    changed = []
-    for row in document["files"]:
-        text = tree.read(row["path"])
-        actual = None if text is None else sha256(text.encode())
-        if actual != row["sha256_after"]:
-            changed.append((row["path"], actual, row["sha256_after"]))
-    return changed
+    """(path, sha256 now or None if missing, sha256 the manifest records) of each changed
+    file, the tree read through its overlay."""
+
+    def read_file(relative: str) -> bytes | None:
+        text = tree.read(relative)
+        return None if text is None else text.encode()
+
+    return recorded.changed_files(document, read_file)
 
 
 def drifted(

@@ -9,11 +9,12 @@ it works without torch and without side effects.
 from __future__ import annotations
 
 import ast
-import hashlib
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
+
+from mla_serve.engine.manifest import sha256 as sha256  # the one digest of tree files
 
 
 class TreeError(Exception):
@@ -144,7 +145,3 @@ def _assigned_strings(source: str) -> dict[str, str]:
                 if isinstance(target, ast.Name):
                     values[target.id] = node.value.value
     return values
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -9,6 +9,9 @@ and the figures that come from them, need a GPU: the end-to-end run covers them.
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,6 +59,43 @@ def test_vllms_plugin_loader_installs_the_hooks(expect, state_dir):
         plugin.register()  # vLLM may load plugins again: never wrap twice
         assert getattr(getattr(module, cls), method) is hooked
         assert not getattr(hooked.__wrapped__, "__mla_serve_wrapped__", False)
+
+
+# A fresh process as a vLLM worker starts: vLLM loads its plugins, then imports the model
+# runner and the worker (which the hooks wrap), then the rank checks its files against the
+# manifest. It prints the mla_serve modules that process holds, and that check.
+WORKER_START = """
+import json, sys
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+import vllm.v1.worker.gpu_model_runner, vllm.v1.worker.gpu_worker
+from mla_serve.engine.plugin.collect import manifest_check
+check = manifest_check()
+print(json.dumps({
+    "modules": sorted(m for m in sys.modules if m == "mla_serve" or m.startswith("mla_serve.")),
+    "files_match": None if check is None else check.files_match,
+}))
+"""
+
+
+ENGINE = ["mla_serve", "engine"]
+
+
+def test_a_vllm_worker_loads_none_of_the_patch_engine(expect, state_dir):
+    """The plugin's package checks the manifest itself: a worker imports no
+    mla_serve.patching (nor sidecar) module, and still knows whether its files match."""
+    tree = Path(importlib.import_module("vllm").__file__).resolve().parent.parent
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *sys.path[1:]])}
+    child = subprocess.run(
+        [sys.executable, "-c", WORKER_START],
+        capture_output=True, text=True, env=environment, timeout=300, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    seen = json.loads(child.stdout.strip().splitlines()[-1])
+    assert "mla_serve.engine.plugin" in seen["modules"]  # the plugin did load
+    outside = [m for m in seen["modules"] if m.split(".")[:2] not in (["mla_serve"], ENGINE)]
+    assert outside == []  # no mla_serve.patching, no sidecar: the engine side only
+    assert seen["files_match"] is (True if expect.state == "patched" else None)
 
 
 def test_real_capture_model_reports_the_resolved_mode(expect, state_dir):

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mla_serve.engine import manifest
 from mla_serve.engine.contract import ManifestCheck, Parallel, Phase, RankRecord
-from mla_serve.patching import manifest, tree
 
 FLASHINFER_SPARSE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse"
 WORKSPACE = "vllm.v1.worker.workspace"
@@ -141,8 +141,8 @@ def manifest_check() -> ManifestCheck | None:
     root = Path(vllm_file).resolve().parent.parent
     path = Path(os.environ.get(MANIFEST_ENV) or root / "vllm" / manifest.FILENAME)
     try:
-        changed = manifest.changed_files(tree.locate(root), manifest.read(path))
-    except (manifest.ManifestError, tree.TreeError):
+        changed = manifest.changed_files(manifest.read(path), manifest.on_disk(root))
+    except manifest.ManifestError:
         return ManifestCheck(path=str(path), files_match=None, mismatched=())
     mismatched = tuple(changed_path for changed_path, _, _ in changed)
     return ManifestCheck(path=str(path), files_match=not mismatched, mismatched=mismatched)
