@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mla_serve.sidecar.passthrough.proxy import Proxy, ProxySettings
 from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard, LoopPolicy
-from mla_serve.sidecar.passthrough.proxy import Proxy, ProxySettings
 from mla_serve.sidecar.passthrough.runaways import Completion, Ledger
 from tests.bench.bench_passthrough import LOADGEN, MODEL, ROOT, UPSTREAM, run_loadgen
 from tests.bench.passthrough import proxies

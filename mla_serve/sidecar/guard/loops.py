@@ -303,6 +303,17 @@ class ResponseGuard:
             self.stopped = True
         return self.stopped
 
+    def took(self, index: int, tokens: int, texts: list[str]) -> None:
+        """`add_token` for `tokens` token chunks the C lane took (lane.py): counted, and their
+        texts, of the channel the detector watches, added without a check (the lane stops
+        short of the text that would make the detector look)."""
+        watch = self.watches[index]
+        watch.tokens += tokens
+        if texts and watch.loop is None:
+            detector = watch.detector
+            detector.pieces.extend(texts)
+            detector.fresh += sum(map(len, texts))
+
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
         if text.__class__ is not str or watch.loop is not None:
             return
