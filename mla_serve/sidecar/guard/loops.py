@@ -292,7 +292,7 @@ class ResponseGuard:
     def add_token(self, index: int, channel: str, text: str) -> bool:
         """`add_chunk` for a chunk whose one choice (`index`) has a delta of one `channel`
         ("reasoning" or "content") and no finish_reason, once `head` is set: vLLM's token
-        chunk, which the pass-through reads without parsing it whole (proxy.token_chunk)."""
+        chunk, which the pass-through reads without parsing it whole (classify.TokenShape)."""
         watch = self.watches.get(index)
         if watch is None:
             watch = self.watches[index] = _Watch(TailDetector(self.config))
