@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_serve.sidecar.passthrough import proxy
+from mla_serve.sidecar.passthrough.exchange import Exchange
 from tests.bench import bench_hot_path
 
 
@@ -20,19 +20,21 @@ def test_the_hot_path_bench_measures_real_streams(tmp_path: Path) -> None:
     assert result["token_reads"] > 0.8 * result["reads"]  # vLLM's token chunks take the match
     for key in ("us_per_request_request_side", "us_per_token_chunk"):
         assert 0 < result[key]["best"] <= result[key]["max"]
-    # a token chunk's whole read both ways: Python, and the C lane (built for the tests)
-    for way in ("python", "lane"):
+    # a token chunk's whole read three ways: Python, msgspec in the shape's place, the C lane
+    for way in ("python", "msgspec", "lane"):
         figures = result["us_per_token_read"][way]
         assert 0 < figures["best"] <= figures["max"]
-    assert result["lane_took"] > 0.9  # vLLM's token chunks, a read each: nearly all in C
+    # vLLM's token chunks, a read each, in C: all but those the guard's detector looks at
+    # (every 32 characters), which the Python path takes
+    assert result["lane_took"] > 0.8
 
 
 def test_the_hot_path_bench_fails_on_changed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = proxy.Proxy._one
+    original = Exchange._event
 
-    def dropping(self: proxy.Proxy, event: bytes, *args: object) -> bytes:
-        kept = original(self, event, *args)  # type: ignore[arg-type]
-        return b"" if b'"usage"' in event else kept  # a usage event the client asked for, lost
+    def dropping(self: Exchange, raw: bytes, data: bytes) -> bytes:
+        kept = original(self, raw, data)
+        return b"" if b'"usage"' in raw else kept  # a usage event the client asked for, lost
 
-    monkeypatch.setattr(proxy.Proxy, "_one", dropping)
+    monkeypatch.setattr(Exchange, "_event", dropping)
     assert bench_hot_path.main(["--repeats", "1", "--scale", "1"]) == 1

@@ -1,4 +1,4 @@
-"""The pass-through's event decoder (`proxy._loads`) is json.loads, value for value and error
+"""The pass-through's event decoder (`classify.loads`) is json.loads, value for value and error
 for error: on vLLM's own recorded chunks and on the malformed and odd inputs a stream can
 carry."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mla_serve.sidecar.passthrough.proxy import _loads
+from mla_serve.sidecar.passthrough.classify import loads as _loads
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = sorted(glob.glob(str(ROOT / "tests/e2e/results/*/*/recorded_streams.json")))

@@ -4,10 +4,9 @@ The upstream here is a CPU stand-in, not vLLM: it answers every chat request wit
 fixed by the test (vLLM's chunk format, tests/vllm_standin.py's shapes), cut into HTTP
 chunks and TCP writes at the places a parser can get wrong: inside `data:`, between CR
 and LF, inside `[DONE]`, inside a chunk's size line, one byte at a time. Through the
-sidecar (uvicorn on httptools, which the direct client writes to itself, and on h11,
-where it goes through ASGI), with each upstream client (`direct`: mla_serve/sidecar/
-upstream.py; `aiohttp`), the client must get every byte unchanged and the sidecar must
-count every completion exactly once.
+sidecar (its own front on httptools, with the C lane and without; through ASGI on uvicorn's
+httptools protocol and on h11), the client must get every byte unchanged and the sidecar
+must count every completion exactly once.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import pytest
 
 from mla_serve.sidecar import serve
 from mla_serve.sidecar.app import create_app
-from mla_serve.sidecar.passthrough import proxy, upstream
 from mla_serve.sidecar.settings import Settings
 from tests.hostile import wire
 from tests.hostile.wire import dechunk
@@ -182,30 +180,22 @@ def scripted() -> Iterator[Scripted]:
     server.stop()
 
 
-@pytest.fixture(params=["direct", "aiohttp"])
-def client_kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture(params=["sidecar", "sidecar-python", "httptools", "h11"])
-def sidecar(
-    request: pytest.FixtureRequest, scripted: Scripted, client_kind: str
-) -> Iterator[Callable[[], str]]:
-    """The sidecar on its own protocol (serve.py; with the direct client, chat and
-    completions without ASGI: fast.py, token chunks in C where the lane takes them; and with
-    the lane off, every read in Python), and as an ASGI app on uvicorn's two protocols."""
+def sidecar(request: pytest.FixtureRequest, scripted: Scripted) -> Iterator[Callable[[], str]]:
+    """The sidecar on its own protocol (serve.py: the pass-through without ASGI,
+    passthrough/fronts.py, token chunks in C where the lane takes them; and with the lane
+    off, every read in Python), and as an ASGI app on uvicorn's two protocols."""
     servers: list[ServerThread] = []
 
     def start(keep_alive: int = 5, **overrides: Any) -> str:
         if request.param == "sidecar-python":
             overrides.setdefault("lane", "off")
-        settings = Settings(vllm_url=scripted.url, poll_interval=0.2,
-                            upstream_client=client_kind, stream_idle_timeout=2.0,
+        settings = Settings(vllm_url=scripted.url, poll_interval=0.2, stream_idle_timeout=2.0,
                             **overrides)  # fmt: skip
         app = create_app(settings)
         http: Any = request.param
         if http.startswith("sidecar"):
-            http = serve.protocol("httptools", serve.limits_of(settings), app.fast)
+            http = serve.protocol("httptools", settings, app)
         servers.append(ServerThread(app, http=http, keep_alive=keep_alive).start())
         return servers[-1].url
 
@@ -319,13 +309,13 @@ def test_an_endless_response_head_is_refused_not_buffered(sidecar, scripted):
 
 
 @pytest.mark.parametrize("http", ["sidecar", "httptools"])
-def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, client_kind, http):
+def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, http):
     """Three streams in a row on one sidecar; between them the upstream closes the kept
     connection (as uvicorn does after its keep-alive timeout): the next request must not
     fail for it."""
-    settings = Settings(vllm_url=scripted.url, poll_interval=30, upstream_client=client_kind)
+    settings = Settings(vllm_url=scripted.url, poll_interval=30)
     app = create_app(settings)
-    protocol = serve.protocol(http, serve.limits_of(settings), app.fast)
+    protocol = serve.protocol(http, settings, app)
     server = ServerThread(app, http=protocol if http == "sidecar" else http).start()
     try:
         scripted.plans.append(plan_of(LF, [LF]))
@@ -460,55 +450,59 @@ def test_a_chunked_request_body_over_the_limit_is_refused(sidecar, scripted):
     assert closed and scripted.requests == []
 
 
-def test_the_fast_path_is_off_on_a_uvicorn_it_does_not_know(monkeypatch, caplog) -> None:
-    """The requests served without ASGI use uvicorn's httptools protocol's own attributes: on
-    a protocol that lacks one (another uvicorn), the sidecar keeps the ASGI path and says so."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    from mla_serve.sidecar.passthrough import fast
-
-    assert fast.compatible(HttpToolsProtocol)  # the uvicorn of every image lock
-
-    class Older(HttpToolsProtocol):
-        def on_message_begin(self) -> None:  # no `headers` list, no Expect flag
-            self.url = b""
-
-    assert not fast.compatible(Older)
+@pytest.mark.parametrize(
+    ("version", "served"),
+    [("0.54.0", True), ("0.54.9", True), ("0.53.9", False), ("0.55.0", False), ("1.0", False)],
+)
+def test_the_own_front_runs_on_the_uvicorn_it_is_written_for(monkeypatch, caplog, version, served):
+    """The front that serves without ASGI uses uvicorn's httptools protocol's own attributes:
+    on a uvicorn outside the releases it is written for (each bound checked), every request
+    goes through ASGI, and the sidecar says so."""
     settings = Settings(vllm_url="http://127.0.0.1:9")
-    path = fast.FastPath.__new__(fast.FastPath)
-    assert serve.protocol("httptools", serve.limits_of(settings), path).fast_path is path  # type: ignore[attr-defined]
-    monkeypatch.setattr(serve, "HttpToolsProtocol", Older)
+    app = create_app(settings)
+    monkeypatch.setattr(serve, "installed_version", lambda name: version)
     with caplog.at_level("WARNING", logger="mla_serve.sidecar"):
-        chosen = serve.protocol("httptools", serve.limits_of(settings), path)
-    assert chosen.fast_path is None  # type: ignore[attr-defined]
-    assert "go through ASGI" in caplog.text
+        chosen = serve.protocol("httptools", settings, app)
+    assert (chosen.router is app) is served  # type: ignore[attr-defined]
+    assert ("goes through ASGI" in caplog.text) is not served
+    assert serve.uvicorn_supported(version) is served
 
 
-def test_the_direct_client_is_chosen_where_it_can_serve(tmp_path) -> None:
-    assert upstream.AVAILABLE  # httptools is a test dependency, as it is in vLLM's image
-    assert proxy.upstream_client("auto", "http://127.0.0.1:8000") == "direct"
-    assert proxy.upstream_client("auto", "https://vllm:8000") == "aiohttp"
-    assert proxy.upstream_client("auto", "http://vllm:8000/prefix") == "aiohttp"
-    with pytest.raises(ValueError, match="direct needs httptools"):
-        proxy.upstream_client("direct", "https://vllm:8000")
-    # uvicorn's httptools cycle is recognised, so the stream path writes to its transport
-    assert proxy._HTTPTOOLS_CYCLE is not None
+def test_the_uvicorn_installed_is_one_the_front_is_written_for() -> None:
+    from importlib.metadata import version
+
+    assert serve.uvicorn_supported(version("uvicorn")), version("uvicorn")
 
 
-# -- the token-chunk fast path (proxy.token_chunk) is Proxy._one, state for state ----------
+# -- the token classifier: a token chunk taken by its shape is the same as parsed whole -----
 
 
-def _guard() -> tuple[proxy.Proxy, object]:
-    from prometheus_client import CollectorRegistry
+class _Front:
+    """A front that keeps what the exchange gives it (the classifier's tests)."""
 
-    from mla_serve.sidecar.guard.loops import LoopConfig, LoopGuard, LoopPolicy
-    from mla_serve.sidecar.passthrough.runaways import Ledger
+    direct = False
 
-    registry = CollectorRegistry()
-    config = LoopConfig(min_repeats=4, window_chars=512, min_chars=64)
-    loops = LoopGuard(LoopPolicy(action="stop", config=config), registry)
-    settings = proxy.ProxySettings(upstream="http://127.0.0.1:9")
-    return proxy.Proxy(settings, Ledger(registry, "t_"), loops, registry), loops
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: bool) -> None:
+        pass
+
+    def write(self, data: bytes) -> bool:
+        self.out.append(data)
+        return False
+
+    def finish(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def cut(self) -> None:
+        pass
+
+    def answer(self, status: int, body: bytes, close: bool) -> None:
+        self.out.append(body)
+
+    def transport_write(self) -> Any:
+        raise AssertionError
 
 
 def _state(completion: object, guard: object) -> object:
@@ -519,31 +513,43 @@ def _state(completion: object, guard: object) -> object:
     return completion, watches, guard.head, guard.looping, guard.stopped  # type: ignore[attr-defined]
 
 
-def _classify(events: list[bytes], fast: bool) -> tuple[object, list[bytes], int]:
-    """Each event as the stream path takes it (fast: token chunks through token_chunk once
-    the stream's head is known), or every one through Proxy._one."""
-    from mla_serve.sidecar.passthrough.runaways import Completion
+def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes], int]:
+    """Each event through a real exchange's response path (the runaway guard in stop mode),
+    one event a read: by its token shape where it matches (`by_shape`), or every one
+    parsed whole (the shape never learnt)."""
+    from prometheus_client import CollectorRegistry
 
-    sidecar, loops = _guard()
-    guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, "/v1/chat/completions")  # type: ignore[attr-defined]
-    completion = Completion()
-    head: bytes | None = None
-    out, taken = [], 0
-    for event in events:
-        if fast and head is not None and event.startswith(head):
-            stopped = proxy.token_chunk(event, head, completion, guard)
-            if stopped is not None:
+    from mla_serve.sidecar.guard.loops import LoopConfig, LoopGuard, LoopPolicy
+    from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+    from mla_serve.sidecar.passthrough.runaways import Ledger
+
+    async def run() -> tuple[object, list[bytes], int]:
+        registry = CollectorRegistry()
+        config = LoopConfig(min_repeats=4, window_chars=512, min_chars=64)
+        loops = LoopGuard(LoopPolicy(action="stop", config=config), registry)
+        service = PassThrough(Settings(vllm_url="http://127.0.0.1:9"), Ledger(registry, "t_"),
+                              loops, registry)  # fmt: skip
+        front = _Front()
+        exchange = Exchange(service, front, b"POST", "/v1/chat/completions", b"", [], "", b"http")
+        exchange.reading = False
+        exchange.guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, exchange.path)
+        exchange.head(200, [(b"content-type", b"text/event-stream")])
+        taken = 0
+        for event in events:
+            if not by_shape:
+                exchange.shape = None
+            learnt = exchange.shape
+            if learnt is not None and learnt.match(event) is not None:
                 taken += 1
-                out.append(event)
-                if stopped:
-                    break
-                continue
-        if head is None:
-            head = proxy.stream_head(event)
-        out.append(sidecar._one(event, completion, False, guard))
-        if guard.stopped:
-            break
-    return _state(completion, guard), out, taken
+            exchange.body(event)
+            exchange.fed()
+            if exchange.finished:
+                break
+        state = _state(exchange.completion, exchange.guard)
+        exchange.close()
+        return state, front.out, taken
+
+    return asyncio.run(run())
 
 
 def _recorded() -> list[list[bytes]]:
@@ -561,6 +567,17 @@ def _token(text: bytes, channel: bytes = b"content", extra: bytes = b"") -> byte
         b'data: {"id":"chatcmpl-7","object":"chat.completion.chunk","created":1,"model":"m",'
         b'"choices":[{"index":0,"delta":{"' + channel + b'":"' + text + b'"},"logprobs":null,'
         b'"finish_reason":null' + extra + b"}]}\n\n"
+    )
+
+
+def _text(text: bytes, extra: bytes = b"") -> bytes:
+    """A /v1/completions token chunk as vLLM 0.33.0 serializes it (exclude_unset)."""
+    return (
+        b'data: {"id":"cmpl-7","object":"text_completion","created":1,"model":"m",'
+        b'"choices":[{"index":0,"text":"' + text + b'","logprobs":null,"finish_reason":null,'
+        b'"stop_reason":null,"prompt_token_ids":null,"token_ids":null,"weight_versions":null}]'
+        + extra
+        + b',"kv_transfer_params":null}\n\n'
     )
 
 
@@ -589,8 +606,9 @@ ODD = [
 
 def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
     """Every recorded vLLM stream, then odd token chunks after a real first chunk, then a
-    looping text (the guard stops it): the fast path leaves the runaway classifier and the
-    loop guard exactly where parsing every chunk whole does, and forwards the same bytes."""
+    looping text (the guard stops it), for chat and for /v1/completions: taking token
+    chunks by the stream's shape leaves the runaway classifier and the loop guard exactly
+    where parsing every chunk whole does, and forwards the same bytes."""
     taken = processed = 0
     cases = _recorded()
     first = _token(b"start").replace(b'{"content":"start"}', b'{"role":"assistant","content":""}')
@@ -603,28 +621,15 @@ def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
     cases.append([zero[0], _token(b"valid"), zero[1], zero[1]])
     cases.append([first] + [_token(b"the same phrase again, ", b"reasoning")] * 40)
     cases.append([first] + [_token(b"ab")] * 80 + [_token(b"", extra=b"")])
+    # /v1/completions streams (vLLM 0.33.0's text_completion chunks): no role chunk first
+    cases.append([_text(b"once"), _text(b" more"), _text(b"   "), _text(b"\\u00e9")])
+    cases.append([_text(b"go")] + [_text(b"round and round, ")] * 40)
+    cases.append([_text(b"a"), _text(b"b", extra=b',"usage":null'), _text(b"c")])
     for events in cases:
-        fast_state, fast_out, used = _classify(events, fast=True)
-        assert (fast_state, fast_out) == _classify(events, fast=False)[:2], events[:2]
+        by_shape, out, used = _classify(events, by_shape=True)
+        assert (by_shape, out) == _classify(events, by_shape=False)[:2], events[:2]
         taken += used
-        processed += len(fast_out)
-    assert taken > 0.8 * processed  # the fast path took (nearly all) vLLM's token chunks
-    stopped = _classify(cases[-2], fast=True)[0]
+        processed += len(out)
+    assert taken > 0.8 * processed  # the shape took (nearly all) vLLM's token chunks
+    stopped = _classify(cases[-2], by_shape=True)[0]
     assert stopped[-1] is True  # type: ignore[index]
-
-
-def test_an_unusable_upstream_client_is_refused_at_start() -> None:
-    import argparse
-
-    from mla_serve.sidecar import settings as settings_
-
-    parser = argparse.ArgumentParser()
-    settings_.add_arguments(parser)
-    for argv, message in (
-        (["--upstream-client", "curl"], "must be one of auto, direct, aiohttp"),
-        (["--upstream-client", "direct", "--vllm-url", "https://vllm:8000"], "direct needs"),
-    ):
-        with pytest.raises(settings_.SettingsError, match=message):
-            settings_.from_arguments(parser.parse_args(argv), environ={})
-    chosen = settings_.from_arguments(parser.parse_args([]), environ={})
-    assert settings_.upstream_client(chosen) == "direct"

@@ -8,29 +8,21 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mla_serve import __version__
 from mla_serve.engine import ranks, vllm_log
-from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.admin import fixes, health, status
 from mla_serve.sidecar.admin.canary import Canary
 from mla_serve.sidecar.admin.metrics import SidecarCollector, View
 from mla_serve.sidecar.admin.vllm_monitor import VllmMonitor
 from mla_serve.sidecar.guard.loops import LoopGuard
-from mla_serve.sidecar.passthrough import routes, upstream
-from mla_serve.sidecar.passthrough.fast import FastPath
-from mla_serve.sidecar.passthrough.proxy import (
-    Proxy,
-    ProxySettings,
-    QuietAborts,
-    Receive,
-    Refused,
-    Scope,
-    Send,
-)
+from mla_serve.sidecar.passthrough import fronts, lane
+from mla_serve.sidecar.passthrough.exchange import PassThrough
+from mla_serve.sidecar.passthrough.fronts import QuietAborts, Receive, Scope, Send
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
 
@@ -49,7 +41,7 @@ class Sidecar:
     fix_report: fixes.FixReport
     registry: CollectorRegistry
     ledger: Ledger
-    proxy: Proxy
+    passthrough: PassThrough
     canary: Canary | None
     log_file: vllm_log.LogFile | None = None
     task_errors: dict[str, str] = field(default_factory=dict)  # last crash of each task
@@ -64,31 +56,8 @@ class Sidecar:
             model=settings.model,
         )
         ledger = Ledger(registry, "mla_serve_")
-        loops = LoopGuard(settings.loop_policy(), registry)
-        proxy = Proxy(
-            ProxySettings(
-                upstream=settings.vllm_url,
-                connect_timeout=settings.connect_timeout,
-                response_timeout=settings.upstream_timeout,
-                idle_timeout=settings.stream_idle_timeout,
-                body_timeout=settings.body_timeout,
-                body_deadline=settings.body_deadline,
-                response_deadline=settings.response_deadline,
-                max_body_bytes=settings.max_body_bytes,
-                max_inflight_body_bytes=settings.max_inflight_body_bytes,
-                max_json_values=settings.max_json_values,
-                max_event_bytes=settings.max_event_bytes,
-                max_headers=settings.max_headers,
-                upstream_client=settings_.upstream_client(settings),
-                lane=settings_.lane(settings),
-                routes=routes.OPENAI_ROUTES + settings_.extra_routes(settings),
-                trusted_proxies=settings_.trusted_proxies(settings),
-                http10_max_response_bytes=settings.max_body_bytes,
-            ),
-            ledger,
-            loops,
-            registry,
-        )
+        loops = LoopGuard(settings.check().loop_policy, registry)
+        passthrough = PassThrough(settings, ledger, loops, registry)
         canary = None
         if settings.canary_prompt_file is not None:
             canary = Canary(
@@ -104,7 +73,9 @@ class Sidecar:
             )
         fix_report = fixes.FixReport(path=settings.manifest)
         log_file = None if settings.vllm_log is None else vllm_log.LogFile(settings.vllm_log)
-        sidecar = cls(settings, monitor, fix_report, registry, ledger, proxy, canary, log_file)
+        sidecar = cls(
+            settings, monitor, fix_report, registry, ledger, passthrough, canary, log_file
+        )
         registry.register(SidecarCollector(sidecar.view))
         return sidecar
 
@@ -113,14 +84,13 @@ class Sidecar:
         if self.canary is not None:
             canary["last_round"] = self.canary.last_round
             canary["recent_runaways"] = self.canary.ledger.recent_json()
-        pool = self.proxy.pool
-        lane = pool is not None and pool.lane
+        pool = self.passthrough.pool
+        in_c = pool is not None and pool.lane
         extra: dict[str, object] = {
             "pass_through": {
-                "upstream_client": self.proxy.settings.upstream_client,
-                # token chunks read in C (upstream.py, _lane.c), and how many reads so far
-                "lane": lane,
-                "lane_reads": upstream.lane_reads() if lane else 0,
+                # token chunks read in C (lane.py, _lane.c), and how many reads so far
+                "lane": in_c,
+                "lane_reads": lane.taken() if in_c else 0,
             },
             "runaways": {"recent": self.ledger.recent_json()},
             "canary": canary,
@@ -200,32 +170,26 @@ class Router:
     use, tests), both share the port: `/v1/...` goes to the pass-through.
     """
 
-    def __init__(self, admin: FastAPI, proxy: Proxy, admin_port: int | None) -> None:
+    def __init__(self, admin: FastAPI, passthrough: PassThrough, admin_port: int | None) -> None:
         self.admin = admin
-        self.proxy = proxy
+        self.passthrough = passthrough
         self.admin_port = admin_port
-        # Chat and completions served by the sidecar's own protocol without ASGI (fast.py):
-        # with the direct upstream client only.
-        direct = proxy.settings.upstream_client == "direct"
-        self.fast = FastPath(proxy, admin_port) if direct else None
+
+    def passes_through(self, port: int, path: str) -> bool:
+        """Whether a request to `port` for `path` is the pass-through's (else the admin
+        routes'). /livez says nothing but "running": the image's HEALTHCHECK finds it on the
+        pass-through port too."""
+        if self.admin_port is None:
+            return path.startswith("/v1/")
+        return port != self.admin_port and path != "/livez"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.admin(scope, receive, send)  # lifespan
             return
-        if len(scope["headers"]) > self.proxy.settings.max_headers:
-            limit = self.proxy.settings.max_headers
-            await self.proxy.refuse(send, Refused(431, f"more than {limit} request headers"))
-            return
         server = scope.get("server") or ("", 0)
-        if self.admin_port is not None:
-            # /livez says nothing but "running": the image's HEALTHCHECK finds it on --port.
-            if server[1] == self.admin_port or scope["path"] == "/livez":
-                await self.admin(scope, receive, send)
-            else:
-                await self.proxy(scope, receive, send)
-        elif scope["path"].startswith("/v1/"):
-            await self.proxy(scope, receive, send)
+        if self.passes_through(server[1], scope["path"]):
+            await fronts.serve(self.passthrough, scope, receive, send)
         else:
             await self.admin(scope, receive, send)
 
@@ -237,8 +201,15 @@ def create_app(settings: Settings) -> Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await sidecar.proxy.start()
-        session = sidecar.proxy.session
+        await sidecar.passthrough.start()
+        # the monitor's and the canary's client to vLLM (not the pass-through's: upstream.py)
+        session = aiohttp.ClientSession(
+            base_url=settings.vllm_url,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
         if sidecar.log_file is not None:
             await asyncio.to_thread(sidecar.log_file.refresh)
         jobs: dict[str, Callable[[], Awaitable[None]]] = {
@@ -260,9 +231,8 @@ def create_app(settings: Settings) -> Router:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if router.fast is not None:
-                router.fast.close()
-            await sidecar.proxy.close()
+            sidecar.passthrough.close()
+            await session.close()
 
     app = FastAPI(title="mla-serve sidecar", version=__version__, lifespan=lifespan)
     app.state.sidecar = sidecar
@@ -298,5 +268,5 @@ def create_app(settings: Settings) -> Router:
         return Response(generate_latest(sidecar.registry), media_type=CONTENT_TYPE_LATEST)
 
     admin_port = settings.admin_port if settings.admin_port != settings.port else None
-    router = Router(app, sidecar.proxy, admin_port)
+    router = Router(app, sidecar.passthrough, admin_port)
     return router

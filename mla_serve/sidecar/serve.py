@@ -2,22 +2,22 @@
 
 uvicorn's httptools protocol (what vLLM's image runs: uvicorn[standard]) buffers request
 headers and trailers without a bound; its h11 protocol has `h11_max_incomplete_event_size`.
-Both get, per connection, the same rules for every request, whatever path serves it then
-(one `_Guard`, and the message rules of http1.py): at most `max_header_bytes` of request line
-and headers (431), `max_headers` trailer fields and `max_header_bytes` of trailers (431; the
-trailers of a chunked body are dropped, never passed on as headers), `header_timeout`
-seconds for the head and for the trailers (408), HTTP/1.0 or 1.1 (505), no transfer coding
-but chunked (501); a client that takes none of its response for `write_timeout` seconds
-(the transport's buffer over its high-water mark all along) is disconnected, which aborts
-its request to vLLM; and per listening port at most `max_connections` open connections
-(past it a new connection gets a 503 and is closed), so a flood on the pass-through port
-cannot starve the admin port's probes. Every refusal is an OpenAI-style JSON error with
-`connection: close`.
+Both get, per connection, the same rules for every request, whatever serves it then (one
+`_Guard`, and the message rules of http1.py): at most `max_header_bytes` of request line and
+headers and `max_headers` of them (431), `max_headers` trailer fields and `max_header_bytes`
+of trailers (431; the trailers of a chunked body are dropped, never passed on as headers),
+`header_timeout` seconds for the head and for the trailers (408), HTTP/1.0 or 1.1 (505), no
+transfer coding but chunked (501); a client that takes none of its response for
+`write_timeout` seconds (the transport's buffer over its high-water mark all along) is
+disconnected, which aborts its request to vLLM; and per listening port at most
+`max_connections` open connections (past it a new connection gets a 503 and is closed), so a
+flood on the pass-through port cannot starve the admin port's probes. Every refusal is an
+OpenAI-style JSON error with `connection: close`.
 
-httptools is optional (a plain `pip install mla-serve` has h11 only; vLLM's image has both):
-`protocol("auto")` takes it when installed. On httptools the pass-through's plain chat and
-completion requests are served from the protocol's callbacks without ASGI (fast.py;
-`LimitedHttpTools.fast_path`).
+On httptools (the default) the pass-through's requests are served from the protocol's
+callbacks without ASGI (passthrough/fronts.py's TransportFront), when this uvicorn is one
+the sidecar is written for (`SUPPORTED_UVICORN`; outside it every request goes through ASGI,
+with a warning). h11 (`--http h11`) serves everything through ASGI.
 
 Both ports are sockets of one uvicorn server (one event loop, one lifespan). SIGTERM
 starts a drain: uvicorn stops accepting on both, lets requests in flight finish for up to
@@ -30,65 +30,61 @@ import asyncio
 import contextlib
 import http
 import importlib.util
-import json
 import logging
 import math
 import socket
+from importlib.metadata import version as installed_version
 from types import FrameType
 from typing import Any, ClassVar
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from mla_serve.sidecar.app import create_app
-from mla_serve.sidecar.passthrough import fast, http1
-from mla_serve.sidecar.passthrough.fast import FastExchange, FastPath
-from mla_serve.sidecar.passthrough.proxy import CLIENT_GONE
-from mla_serve.sidecar.settings import Settings, SettingsError
+from mla_serve.sidecar.app import Router, create_app
+from mla_serve.sidecar.passthrough import errors, fronts, http1
+from mla_serve.sidecar.passthrough.fronts import TransportFront
+from mla_serve.sidecar.settings import Settings
 
-try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    HTTPTOOLS = True
-except ImportError:  # no httptools (a plain `pip install mla-serve`): h11 serves, see protocol()
-    HttpToolsProtocol = asyncio.Protocol  # type: ignore[assignment,misc]
-    HTTPTOOLS = False
 UVLOOP = importlib.util.find_spec("uvloop") is not None
+# The uvicorn releases whose httptools protocol the transport front is written for (its
+# attributes and methods: `parser`, `url`, `headers`, `pipeline`, `cycle`, `flow`,
+# `server_state`, `expect_100_continue`, `on_response_complete`, …), checked by version: the
+# lowest tested and the first release not yet known. Kept in step with pyproject.toml.
+SUPPORTED_UVICORN = ((0, 54, 0), (0, 55, 0))
 
 log = logging.getLogger("mla_serve.sidecar")
+
+
+def uvicorn_supported(version: str) -> bool:
+    """Whether the transport front knows this uvicorn release (SUPPORTED_UVICORN)."""
+    try:
+        release = tuple(int(part) for part in version.split(".")[:3])
+    except ValueError:
+        return False
+    low, high = SUPPORTED_UVICORN
+    return low <= release < high
 
 
 class Limits:
     """Shared by every connection of one server: the limits and the open connections."""
 
-    def __init__(
-        self,
-        max_header_bytes: int,
-        header_timeout: float,
-        max_connections: int,
-        max_headers: int,
-        write_timeout: float,
-    ) -> None:
-        self.max_header_bytes = max_header_bytes
-        self.header_timeout = header_timeout
-        self.max_connections = max_connections
-        self.max_headers = max_headers
-        self.write_timeout = write_timeout
+    def __init__(self, settings: Settings) -> None:
+        self.max_header_bytes = settings.max_header_bytes
+        self.header_timeout = settings.header_timeout
+        self.max_connections = settings.max_connections
+        self.max_headers = settings.max_headers
+        self.write_timeout = settings.write_timeout
         self.open: dict[int, int] = {}
 
 
 def _reply(status: int, message: str) -> bytes:
-    body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                   "code": status}}
-    ).encode()  # fmt: skip
-    head = (
-        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        "connection: close\r\n\r\n"
-    )
-    return head.encode() + body
+    """A refusal of the protocol layer: an OpenAI-style error, the connection closed."""
+    body = errors.error_body(status, message, "invalid_request_error")
+    head = [b"HTTP/1.1 %d %s\r\n" % (status, http.HTTPStatus(status).phrase.encode())]
+    head += (b"%s: %s\r\n" % pair for pair in errors.answer_headers(status, len(body), True))
+    return b"".join(head) + b"\r\n" + body
 
 
 class _Guard:
@@ -200,7 +196,10 @@ class _Guard:
         """A request's head is parsed: False (answered, closed) when it is not served
         (http1.head_refusal: its size counted on its fields, whatever the reads were)."""
         self._head_done()
-        refusal = http1.head_refusal(method, target, version, headers, self.limits.max_header_bytes)
+        limits = self.limits
+        refusal = http1.head_refusal(
+            method, target, version, headers, limits.max_header_bytes, limits.max_headers
+        )
         if refusal is not None:
             self._refuse(*refusal)
             return False
@@ -261,14 +260,11 @@ class _Guard:
 
 
 class LimitedHttpTools(_Guard, HttpToolsProtocol):
-    """uvicorn's httptools protocol with the limits; the pass-through's chat and completion
-    requests served from its callbacks without ASGI (fast.py, when `fast_path` is set), and
-    for the requests that do go through ASGI a callback when a client leaves mid-response
-    (proxy.CLIENT_GONE on the request's cycle): it cancels that request's exchange without
-    a watcher task per request."""
+    """uvicorn's httptools protocol with the limits; the pass-through's requests served from
+    its callbacks without ASGI (fronts.TransportFront), when `passthrough` is set."""
 
-    fast_path: ClassVar[FastPath | None] = None
-    fast: FastExchange | None = None  # the request served without ASGI, while it runs
+    router: ClassVar[Router | None] = None  # the pass-through is served without ASGI
+    fast: TransportFront | None = None  # the request served without ASGI, while it runs
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -281,14 +277,9 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
             self.fast = None
             fast.client_gone()
         current: Any = self.cycle
-        if type(current) is FastExchange:  # uvicorn's own cycle has more to be told
+        if type(current) is TransportFront:  # uvicorn's own cycle has more to be told
             self.cycle = None  # type: ignore[assignment]
-        cycle = self.cycle
         super().connection_lost(exc)
-        if cycle is not None and cycle.disconnected:
-            gone = getattr(cycle, CLIENT_GONE, None)
-            if gone is not None:
-                gone()
 
     _chunk_empty = False  # a chunk header parsed and no byte of its data yet (see below)
 
@@ -310,8 +301,8 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         elif self._chunk_empty:
             self._trailers_started()
         fast = self.fast
-        if fast is not None and fast.reading:
-            fast.watch_body()
+        if fast is not None and fast.exchange is not None and fast.exchange.reading:
+            fast.exchange.waiting_body()
 
     def on_message_begin(self) -> None:
         if self.transport.is_closing():  # refused: nothing more is served on it
@@ -337,16 +328,24 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
             parser.get_method(), self.url, parser.get_http_version(), self.headers
         ):
             return
-        path = self.fast_path
-        if path is not None and (self.cycle is None or self.cycle.response_complete):
-            exchange = path.takes(self)
-            if exchange is not None:
+        router = self.router
+        server = self.server
+        if (
+            router is not None
+            and (self.cycle is None or self.cycle.response_complete)
+            and router.passes_through(
+                server[1] if server and server[1] is not None else 0,
+                self.url.partition(b"?")[0].decode("latin-1"),
+            )
+        ):
+            front = fronts.take(router.passthrough, self)
+            if front is not None:
                 # uvicorn's protocol reads response_complete and keep_alive from its cycle
-                self.cycle = self.fast = exchange  # type: ignore[assignment]
+                self.cycle = front  # type: ignore[assignment]
+                if not front.response_complete:
+                    self.fast = front
                 return
         super().on_headers_complete()
-        if self.cycle is not None:  # this protocol calls back when the client leaves
-            setattr(self.cycle, CLIENT_GONE, None)
 
     def on_chunk_header(self) -> None:
         self._chunk_empty = True
@@ -358,8 +357,9 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         if self.transport.is_closing():
             return
         cycle: Any = self.cycle
-        if type(cycle) is FastExchange:
-            cycle.request_body(body)
+        if type(cycle) is TransportFront:
+            if cycle.exchange is not None:
+                cycle.exchange.take_body(body)
             return
         super().on_body(body)
 
@@ -369,16 +369,23 @@ class LimitedHttpTools(_Guard, HttpToolsProtocol):
         if self.transport.is_closing():  # refused in its trailers: never served
             return
         cycle: Any = self.cycle
-        if type(cycle) is FastExchange:
-            cycle.request_done()
+        if type(cycle) is TransportFront:
+            if cycle.exchange is not None:
+                cycle.exchange.body_done()
             return
         super().on_message_complete()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        fast = self.fast
+        if fast is not None:
+            fast.paused()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         fast = self.fast
         if fast is not None:
-            fast.resume_writing()
+            fast.resumed()
 
 
 class LimitedH11(_Guard, H11Protocol):
@@ -435,41 +442,34 @@ class LimitedH11(_Guard, H11Protocol):
             self._head_started()
 
 
-def protocol(
-    kind: str, limits: Limits, fast_path: FastPath | None = None
-) -> type[asyncio.Protocol]:
-    """The HTTP protocol class: httptools when installed (as in vLLM's image), else h11.
-    `fast_path`: the pass-through's requests the httptools protocol serves without ASGI."""
-    if kind == "auto":
-        kind = "httptools" if HTTPTOOLS else "h11"
-    if kind == "httptools":
-        if not HTTPTOOLS:
-            raise SettingsError("--http httptools: httptools is not installed "
-                                "(pip install httptools uvloop)")  # fmt: skip
-        if fast_path is not None and not fast.compatible(HttpToolsProtocol):
-            log.warning("this uvicorn's httptools protocol is not the one the fast path knows: "
-                        "chat and completions go through ASGI")  # fmt: skip
-            fast_path = None
-        attributes = {"limits": limits, "fast_path": fast_path}
+def protocol(kind: str, settings: Settings, app: Router | None = None) -> type[asyncio.Protocol]:
+    """The HTTP protocol class: httptools (as in vLLM's image), or h11. With `app`, the
+    pass-through's requests on httptools are served without ASGI, where this uvicorn is one
+    the transport front knows (else a warning, and ASGI)."""
+    limits = Limits(settings)
+    if kind in ("auto", "httptools"):
+        router = app
+        if router is not None and not uvicorn_supported(installed_version("uvicorn")):
+            log.warning("uvicorn %s is not a release the sidecar's HTTP front is written for "
+                        "(%s to before %s): every request goes through ASGI",
+                        installed_version("uvicorn"), *(".".join(map(str, v))
+                                                        for v in SUPPORTED_UVICORN))  # fmt: skip
+            router = None
+        attributes = {"limits": limits, "router": router}
         return type("SidecarLimitedHttpTools", (LimitedHttpTools,), attributes)
     return type("SidecarLimitedH11", (LimitedH11,), {"limits": limits})
 
 
-def front(
-    http: type[asyncio.Protocol], loop: str, lane: bool | None, chosen: str
-) -> tuple[int, str]:
-    """The log line (level, text) that says which HTTP front serves."""
+def front_line(http: type[asyncio.Protocol], loop: str, lane: bool) -> str:
+    """The log line that says which HTTP front serves."""
     where = f"on {loop}"
     if issubclass(http, LimitedHttpTools):
-        if http.fast_path is None:
-            return logging.INFO, f"HTTP front: httptools {where}; every request through ASGI"
+        if http.router is None:
+            return f"HTTP front: httptools {where}; every request through ASGI"
         reads = "in C" if lane else "in Python"
-        return logging.INFO, (f"HTTP front: httptools {where}; chat and completions served "
-                              f"without ASGI, token chunks read {reads}")  # fmt: skip
-    if chosen == "h11":
-        return logging.INFO, f"HTTP front: h11 {where} (--http h11)"
-    missing = "httptools is not installed (pip install httptools uvloop: vLLM's image has them)"
-    return logging.WARNING, f"HTTP front: h11 {where}: {missing}"
+        return (f"HTTP front: httptools {where}; the pass-through served without ASGI, token "
+                f"chunks read {reads}")  # fmt: skip
+    return f"HTTP front: h11 {where} (--http h11); every request through ASGI"
 
 
 class Server(uvicorn.Server):
@@ -508,24 +508,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def limits_of(settings: Settings) -> Limits:
-    return Limits(
-        settings.max_header_bytes,
-        settings.header_timeout,
-        settings.max_connections,
-        settings.max_headers,
-        settings.write_timeout,
-    )
-
-
 def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None:
-    limits = limits_of(settings)
     sockets = [listen(settings.host, settings.port)]
     if settings.admin_port is not None and settings.admin_port != settings.port:
         sockets.append(listen(settings.admin_host or settings.host, settings.admin_port))
     loop = "uvloop" if UVLOOP else "asyncio"
     app = create_app(settings)
-    http_class = protocol(http, limits, app.fast)
+    http_class = protocol(http, settings, app)
     config = uvicorn.Config(
         app,
         http=http_class,
@@ -537,6 +526,6 @@ def run(settings: Settings, log_level: str = "info", http: str = "auto") -> None
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
     )
-    level, line = front(http_class, loop, app.proxy.settings.lane, http)
-    logging.getLogger("uvicorn.error").log(level, line)  # after Config: uvicorn's format
+    lane = settings.lane_on
+    logging.getLogger("uvicorn.error").info(front_line(http_class, loop, lane))  # uvicorn's format
     Server(config).run(sockets=sockets)

@@ -1,330 +1,274 @@
-"""Sidecar settings: command-line flags, each with an MLA_SERVE_* environment fallback."""
+"""The sidecar's settings: each one a typed field declared once, with its help.
+
+A field's command-line flag is `--` and its name with dashes, its environment variable
+`MLA_SERVE_` and its name in capitals; both, its type, its default and its help come from the
+field itself (`setting`), so `add_arguments`, `from_arguments`, `mla-serve sidecar --help` and
+the code that reads `settings.<name>` cannot disagree. Flags win over environment variables,
+which win over defaults. What a field's value means for the code is derived here too
+(`routes`, `trusted_proxies`, `lane`, `loop_policy`), once, at start.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the guard (and prometheus_client) load when the sidecar starts, not per CLI
     from mla_serve.sidecar.guard.loops import LoopPolicy
 
-from mla_serve.sidecar.passthrough import routes
+from mla_serve.sidecar.passthrough import routes as routes_
+
+ENV_PREFIX = "MLA_SERVE_"
+MiB = 1024 * 1024
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    positive: bool = False,
+    choices: tuple[str, ...] = (),
+    cli_default: Any = None,
+) -> Any:
+    """A settings field: its default, its help (the flag's text), and what it must be."""
+    metadata = {"help": help, "positive": positive, "choices": choices, "cli_default": cli_default}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True)
 class Settings:
-    vllm_url: str = "http://127.0.0.1:8000"
-    host: str = "0.0.0.0"  # noqa: S104 - a sidecar serves the pod network
-    port: int = 8080
-    # /livez /readyz /startupz /status /metrics. None (library use, tests): on `port` too;
-    # the CLI defaults to 8081, so the port a Service exposes carries only the pass-through.
-    admin_port: int | None = None
-    admin_host: str | None = None  # default: `host`
-    vllm_api_key: str | None = None  # vLLM's --api-key, for /v1/models and the canary
-    state_dir: Path | None = None
-    manifest: Path | None = None
-    vllm_tree: Path | None = None  # the tree the manifest describes; the installed vLLM if unset
-    vllm_log: Path | None = None
-    model: str | None = None  # the served model readiness requires; any when unset
-    poll_interval: float = 1.0
-    probe_timeout: float = 2.0
-    manifest_interval: float = 60.0
-    # The OpenAI pass-through.
-    connect_timeout: float = 5.0
-    upstream_timeout: float = 600.0
-    stream_idle_timeout: float = 300.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_inflight_body_bytes: int = 64 * 1024 * 1024
-    max_json_values: int = 1_000_000
-    max_event_bytes: int = 4 * 1024 * 1024
-    body_timeout: float = 60.0
-    body_deadline: float = 300.0
-    response_deadline: float = 300.0
-    write_timeout: float = 60.0
-    max_header_bytes: int = 32 * 1024
-    max_headers: int = 100
-    header_timeout: float = 30.0
-    max_connections: int = 1024
-    drain_timeout: float = 30.0
-    extra_routes: str | None = None  # comma-separated, `*` for one segment
-    upstream_client: str = "auto"  # auto, direct (upstream.py), aiohttp: see proxy.upstream_client
-    lane: str = "auto"  # auto, on, off: token chunks read in C (upstream.py, _lane.c)
-    trusted_proxies: str | None = None  # comma-separated addresses/CIDRs whose XFF is kept
-    # The optional canary: a long-prefix prompt sent periodically, counted apart.
-    canary_prompt_file: Path | None = None
-    canary_model: str | None = None
-    canary_interval: float = 300.0
-    canary_concurrency: int = 8
-    canary_max_tokens: int = 2048
-    # The runaway guard (loops.py): what a loop is, what to do about it, vLLM-side defaults.
-    loop_action: str = "observe"
-    loop_model_actions: str | None = None  # "MODEL=ACTION,…", overrides loop_action per model
-    loop_min_repeats: int = 4
-    loop_window_chars: int = 4096
-    loop_min_chars: int = 1024
-    default_repetition_detection: str | None = None  # JSON, vLLM's RepetitionDetectionParams
-    default_thinking_token_budget: int | None = None
+    # -- where --------------------------------------------------------------------------
+    vllm_url: str = setting("http://127.0.0.1:8000", "vLLM's base URL (http:// or https://)")
+    host: str = setting("0.0.0.0", "address to listen on")  # noqa: S104 - a sidecar serves the pod
+    port: int = setting(8080, "pass-through port: vLLM's OpenAI routes only")
+    # None (library use, tests): /livez /readyz … on `port` too; the CLI's default is 8081, so
+    # the port a Service exposes carries only the pass-through.
+    admin_port: int | None = setting(
+        None,
+        "port of /livez /readyz /startupz /status /metrics (the same as --port serves both)",
+        cli_default=8081,
+    )
+    admin_host: str | None = setting(None, "address of the admin port (default: --host)")
+    vllm_api_key: str | None = setting(
+        None, "vLLM's API key, sent on /v1/models checks and canary requests (prefer the env)"
+    )
+    # -- what the engine runs ------------------------------------------------------------
+    state_dir: Path | None = setting(None, "directory the engine plugin writes to")
+    manifest: Path | None = setting(None, "fix manifest to verify (the image's)")
+    vllm_tree: Path | None = setting(None, "vLLM tree the manifest describes (default: installed)")
+    vllm_log: Path | None = setting(None, "vLLM log file, read when the plugin is absent")
+    model: str | None = setting(None, "served model name readiness requires (default: any)")
+    poll_interval: float = setting(1.0, "seconds between vLLM checks", positive=True)
+    probe_timeout: float = setting(2.0, "timeout of each vLLM check, seconds", positive=True)
+    manifest_interval: float = setting(60.0, "seconds between manifest checks", positive=True)
+    # -- the pass-through ---------------------------------------------------------------
+    connect_timeout: float = setting(5.0, "pass-through: connect to vLLM, seconds", positive=True)
+    upstream_timeout: float = setting(
+        600.0, "pass-through: wait for vLLM's response headers, 504 after (seconds)", positive=True
+    )
+    stream_idle_timeout: float = setting(
+        300.0, "pass-through: longest silence in a response body after its headers (seconds)",
+        positive=True,
+    )  # fmt: skip
+    response_deadline: float = setting(
+        300.0, "pass-through: a vLLM response that is not an event stream must end within this "
+        "long after its headers, cut off after (seconds)", positive=True,
+    )  # fmt: skip
+    max_body_bytes: int = setting(16 * MiB, "pass-through: request size cap, 413 past it",
+                                  positive=True)  # fmt: skip
+    max_inflight_body_bytes: int = setting(
+        64 * MiB, "pass-through: request body bytes held at once over all requests, 503 past it",
+        positive=True,
+    )  # fmt: skip
+    max_json_values: int = setting(
+        1_000_000, "pass-through: JSON values in a chat/completions body, 413 past it",
+        positive=True,
+    )  # fmt: skip
+    max_event_bytes: int = setting(
+        4 * MiB, "pass-through: largest response event or body classified; bigger ones pass "
+        "unparsed", positive=True,
+    )  # fmt: skip
+    body_timeout: float = setting(
+        60.0, "pass-through: longest silence while reading a request body, 408 after (seconds)",
+        positive=True,
+    )  # fmt: skip
+    body_deadline: float = setting(
+        300.0, "pass-through: a request body (and its trailers) must arrive whole within this "
+        "long after its headers, 408 after (seconds)", positive=True,
+    )  # fmt: skip
+    write_timeout: float = setting(
+        60.0, "longest time a client may take none of the response bytes waiting for it; then "
+        "it is disconnected and its vLLM request aborted (seconds)", positive=True,
+    )  # fmt: skip
+    max_header_bytes: int = setting(32 * 1024, "request line and headers, 431 past it",
+                                    positive=True)  # fmt: skip
+    max_headers: int = setting(100, "request headers (and trailer fields), 431 past it",
+                               positive=True)  # fmt: skip
+    header_timeout: float = setting(
+        30.0, "seconds a client may take to send its request headers (or trailers)",
+        positive=True,
+    )  # fmt: skip
+    max_connections: int = setting(1024, "open connections per port, 503 past it", positive=True)
+    drain_timeout: float = setting(
+        30.0, "on SIGTERM: stop accepting, finish in-flight requests for at most this long "
+        "(seconds)", positive=True,
+    )  # fmt: skip
+    extra_routes: str | None = setting(
+        None, "more vLLM paths to pass through, comma-separated, `*` for one segment"
+    )
+    trusted_proxies: str | None = setting(
+        None, "addresses/CIDRs whose X-Forwarded-For is kept (appended to); others' is replaced"
+    )
+    lane: str = setting(
+        "auto", "reads of vLLM's token chunks in C (the sidecar's _lane extension): auto (when "
+        "built; the image has it), on (refuse to start without it), or off (every read in "
+        "Python, the same effects)", choices=("auto", "on", "off"),
+    )  # fmt: skip
+    # -- the optional canary: a long-prefix prompt sent periodically, counted apart ------------
+    canary_prompt_file: Path | None = setting(None, "canary prompt; the canary is off when unset")
+    canary_model: str | None = setting(None, "canary model (default: the first served)")
+    canary_interval: float = setting(300.0, "seconds between canary rounds", positive=True)
+    canary_concurrency: int = setting(8, "requests per canary round", positive=True)
+    canary_max_tokens: int = setting(2048, "max_tokens of the canary's requests", positive=True)
+    # -- the runaway guard (guard/loops.py): what a loop is, what to do, vLLM-side defaults ----
+    loop_action: str = setting(
+        "observe", "runaway guard: off, observe (count loops) or stop (end looping streams)"
+    )
+    loop_model_actions: str | None = setting(
+        None, "per-model override of --loop-action, MODEL=ACTION[,MODEL=ACTION…]"
+    )
+    loop_min_repeats: int = setting(
+        4, "a loop: its unit repeats at least this many times in a row", positive=True
+    )
+    loop_window_chars: int = setting(
+        4096, "text tail kept per choice; longest loop unit = window / min repeats", positive=True
+    )
+    loop_min_chars: int = setting(1024, "a loop covers at least this many characters",
+                                  positive=True)  # fmt: skip
+    default_repetition_detection: str | None = setting(
+        None, "vLLM repetition_detection JSON set on requests without one (off)"
+    )
+    default_thinking_token_budget: int | None = setting(
+        None, "vLLM thinking_token_budget set on requests without one; needs a reasoning parser "
+        "(off)",
+    )  # fmt: skip
 
+    # -- what the values mean, derived once --------------------------------------------------
+    @cached_property
+    def routes(self) -> tuple[str, ...]:
+        """The paths the pass-through forwards: vLLM's OpenAI routes and --extra-routes."""
+        return routes_.OPENAI_ROUTES + routes_.parse_extra(self.extra_routes or "")
+
+    @cached_property
+    def trusted_networks(self) -> tuple[Network, ...]:
+        items = [i.strip() for i in (self.trusted_proxies or "").split(",") if i.strip()]
+        try:
+            return tuple(ipaddress.ip_network(item, strict=False) for item in items)
+        except ValueError as error:
+            raise SettingsError(f"--trusted-proxies: {error}") from None
+
+    @cached_property
+    def lane_on(self) -> bool:
+        """Whether token chunks are read in C; SettingsError for `on` where it is not built."""
+        from mla_serve.sidecar.passthrough import lane
+
+        if self.lane == "on" and not lane.BUILT:
+            raise SettingsError("--lane on: the C lane (_lane) is not built in this install; "
+                                "build with a C compiler, or use --lane auto or off")  # fmt: skip
+        return self.lane != "off" and lane.BUILT
+
+    @cached_property
     def loop_policy(self) -> LoopPolicy:
-        """The guard's policy from these settings; SettingsError when they are unusable."""
+        """The guard's policy; SettingsError when the loop settings are unusable."""
         return _loop_policy(self)
 
+    def check(self) -> Settings:
+        """Every rule a value must follow, with the flag's name; SettingsError otherwise."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            flag = "--" + field.name.replace("_", "-")
+            if field.metadata.get("positive") and value is not None and value <= 0:
+                raise SettingsError(f"{flag} must be positive")
+            choices = field.metadata.get("choices")
+            if choices and value not in choices:
+                raise SettingsError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if not self.vllm_url.startswith(("http://", "https://")):
+            raise SettingsError(f"--vllm-url must be an http(s) URL, got {self.vllm_url!r}")
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise SettingsError("--max-inflight-body-bytes must be at least --max-body-bytes")
+        for name in ("port", "admin_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise SettingsError(f"--{name.replace('_', '-')} must be a TCP port, got {port}")
+        try:
+            self.routes  # noqa: B018 - derived now: a bad value refuses to start
+        except ValueError as error:
+            raise SettingsError(f"--extra-routes: {error}") from None
+        self.trusted_networks  # noqa: B018
+        self.lane_on  # noqa: B018
+        if self.canary_prompt_file is not None and not self.canary_prompt_file.is_file():
+            raise SettingsError(f"--canary-prompt-file {self.canary_prompt_file} does not exist")
+        self.loop_policy  # noqa: B018 - refuses unusable guard settings now, not at a request
+        return self
 
-CLI_ADMIN_PORT = 8081
 
-FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--vllm-url", "MLA_SERVE_VLLM_URL", str, "vLLM's base URL (default http://127.0.0.1:8000)"),
-    ("--host", "MLA_SERVE_HOST", str, "address to listen on (default 0.0.0.0)"),
-    ("--port", "MLA_SERVE_PORT", int, "pass-through port: vLLM's OpenAI routes only (8080)"),
-    (
-        "--admin-port",
-        "MLA_SERVE_ADMIN_PORT",
-        int,
-        "port of /livez /readyz /startupz /status /metrics (8081; the same as --port serves "
-        "both on one port)",
-    ),
-    ("--admin-host", "MLA_SERVE_ADMIN_HOST", str, "address of the admin port (default --host)"),
-    (
-        "--vllm-api-key",
-        "MLA_SERVE_VLLM_API_KEY",
-        str,
-        "vLLM's API key, sent on /v1/models checks and canary requests (prefer the env)",
-    ),
-    ("--state-dir", "MLA_SERVE_STATE_DIR", Path, "directory the engine plugin writes to"),
-    ("--manifest", "MLA_SERVE_MANIFEST", Path, "fix manifest to verify (the image's)"),
-    ("--vllm-tree", "MLA_SERVE_VLLM_TREE", Path, "vLLM tree the manifest describes (installed)"),
-    ("--vllm-log", "MLA_SERVE_VLLM_LOG", Path, "vLLM log file, read when the plugin is absent"),
-    ("--model", "MLA_SERVE_MODEL", str, "served model name readiness requires"),
-    ("--poll-interval", "MLA_SERVE_POLL_INTERVAL", float, "seconds between vLLM checks (1)"),
-    ("--probe-timeout", "MLA_SERVE_PROBE_TIMEOUT", float, "timeout of each vLLM check (2 s)"),
-    (
-        "--connect-timeout",
-        "MLA_SERVE_CONNECT_TIMEOUT",
-        float,
-        "pass-through: connect to vLLM (5 s)",
-    ),
-    (
-        "--upstream-timeout",
-        "MLA_SERVE_UPSTREAM_TIMEOUT",
-        float,
-        "pass-through: wait for vLLM's response headers, 504 after (600 s)",
-    ),
-    (
-        "--stream-idle-timeout",
-        "MLA_SERVE_STREAM_IDLE_TIMEOUT",
-        float,
-        "pass-through: longest silence in a response body after its headers (300 s)",
-    ),
-    (
-        "--max-body-bytes",
-        "MLA_SERVE_MAX_BODY_BYTES",
-        int,
-        "pass-through: request size cap (16 MiB)",
-    ),
-    (
-        "--max-inflight-body-bytes",
-        "MLA_SERVE_MAX_INFLIGHT_BODY_BYTES",
-        int,
-        "pass-through: request body bytes held at once over all requests, 503 past it (64 MiB)",
-    ),
-    (
-        "--max-json-values",
-        "MLA_SERVE_MAX_JSON_VALUES",
-        int,
-        "pass-through: JSON values in a chat/completions body, 413 past it (1000000)",
-    ),
-    (
-        "--max-event-bytes",
-        "MLA_SERVE_MAX_EVENT_BYTES",
-        int,
-        "pass-through: largest response event/body classified; bigger ones pass unparsed (4 MiB)",
-    ),
-    (
-        "--body-timeout",
-        "MLA_SERVE_BODY_TIMEOUT",
-        float,
-        "pass-through: longest silence while reading a request body, 408 after (60 s)",
-    ),
-    (
-        "--body-deadline",
-        "MLA_SERVE_BODY_DEADLINE",
-        float,
-        "pass-through: a request body (and its trailers) must arrive whole within this long "
-        "after its headers, 408 after (300 s)",
-    ),
-    (
-        "--response-deadline",
-        "MLA_SERVE_RESPONSE_DEADLINE",
-        float,
-        "pass-through: a vLLM response that is not an event stream must end within this long "
-        "after its headers, cut off after (300 s)",
-    ),
-    (
-        "--write-timeout",
-        "MLA_SERVE_WRITE_TIMEOUT",
-        float,
-        "longest time a client may take none of the response bytes waiting for it; then it is "
-        "disconnected and its vLLM request aborted (60 s)",
-    ),
-    ("--max-header-bytes", "MLA_SERVE_MAX_HEADER_BYTES", int, "request line + headers (32 KiB)"),
-    ("--max-headers", "MLA_SERVE_MAX_HEADERS", int, "request headers, 431 past it (100)"),
-    (
-        "--header-timeout",
-        "MLA_SERVE_HEADER_TIMEOUT",
-        float,
-        "seconds a client may take to send its request headers (30)",
-    ),
-    (
-        "--max-connections",
-        "MLA_SERVE_MAX_CONNECTIONS",
-        int,
-        "open connections per port, 503 past it (1024)",
-    ),
-    (
-        "--drain-timeout",
-        "MLA_SERVE_DRAIN_TIMEOUT",
-        float,
-        "on SIGTERM: stop accepting, finish in-flight requests for at most this long (30 s)",
-    ),
-    (
-        "--extra-routes",
-        "MLA_SERVE_EXTRA_ROUTES",
-        str,
-        "more vLLM paths to pass through, comma-separated, `*` for one segment",
-    ),
-    (
-        "--trusted-proxies",
-        "MLA_SERVE_TRUSTED_PROXIES",
-        str,
-        "addresses/CIDRs whose X-Forwarded-For is kept (appended to); others' is replaced",
-    ),
-    (
-        "--upstream-client",
-        "MLA_SERVE_UPSTREAM_CLIENT",
-        str,
-        "pass-through client for chat/completions: direct (a bare HTTP/1.1 client, needs "
-        "httptools and an http:// --vllm-url), aiohttp, or auto: direct when usable (auto)",
-    ),
-    (
-        "--lane",
-        "MLA_SERVE_LANE",
-        str,
-        "reads of vLLM's token chunks on the direct client in C (the sidecar's _lane "
-        "extension): auto (when built; the image has it), on (refuse to start without it), "
-        "or off (every read in Python, the same effects) (auto)",
-    ),
-    ("--canary-prompt-file", "MLA_SERVE_CANARY_PROMPT_FILE", Path, "canary prompt; off when unset"),
-    ("--canary-model", "MLA_SERVE_CANARY_MODEL", str, "canary model (default: the first served)"),
-    (
-        "--canary-interval",
-        "MLA_SERVE_CANARY_INTERVAL",
-        float,
-        "seconds between canary rounds (300)",
-    ),
-    ("--canary-concurrency", "MLA_SERVE_CANARY_CONCURRENCY", int, "requests per canary round (8)"),
-    ("--canary-max-tokens", "MLA_SERVE_CANARY_MAX_TOKENS", int, "max_tokens of the canary (2048)"),
-    (
-        "--loop-action",
-        "MLA_SERVE_LOOP_ACTION",
-        str,
-        "runaway guard: off, observe (count loops) or stop (end looping streams) (observe)",
-    ),
-    (
-        "--loop-model-actions",
-        "MLA_SERVE_LOOP_MODEL_ACTIONS",
-        str,
-        "per-model override of --loop-action, MODEL=ACTION[,MODEL=ACTION…]",
-    ),
-    (
-        "--loop-min-repeats",
-        "MLA_SERVE_LOOP_MIN_REPEATS",
-        int,
-        "a loop: its unit repeats at least this many times in a row (4)",
-    ),
-    (
-        "--loop-window-chars",
-        "MLA_SERVE_LOOP_WINDOW_CHARS",
-        int,
-        "text tail kept per choice; longest loop unit = window / min repeats (4096)",
-    ),
-    (
-        "--loop-min-chars",
-        "MLA_SERVE_LOOP_MIN_CHARS",
-        int,
-        "a loop covers at least this many characters (1024)",
-    ),
-    (
-        "--default-repetition-detection",
-        "MLA_SERVE_DEFAULT_REPETITION_DETECTION",
-        str,
-        "vLLM repetition_detection JSON set on requests without one (off)",
-    ),
-    (
-        "--default-thinking-token-budget",
-        "MLA_SERVE_DEFAULT_THINKING_TOKEN_BUDGET",
-        int,
-        "vLLM thinking_token_budget set on requests without one; needs a reasoning parser (off)",
-    ),
-)
+def _kind(field: dataclasses.Field[Any]) -> type:
+    """The field's value type (`int` of `int | None`)."""
+    hint = typing.get_type_hints(Settings)[field.name]
+    if isinstance(hint, types.UnionType):
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint  # type: ignore[no-any-return]
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_of(name: str) -> str:
+    return ENV_PREFIX + name.upper()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, env, kind, text in FLAGS:
-        parser.add_argument(flag, type=kind, default=None, help=f"{text}; env {env}")
+    for field in dataclasses.fields(Settings):
+        cli_default = field.metadata["cli_default"]
+        default = cli_default if cli_default is not None else field.default
+        shown = "unset" if default is None else default
+        text = f"{field.metadata['help']} (default {shown}); env {env_of(field.name)}"
+        parser.add_argument(flag_of(field.name), type=_kind(field), default=None, help=text)
 
 
 def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
-    """Flags win over environment variables, which win over defaults."""
+    """The settings from parsed flags, then the environment, then the defaults; checked."""
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, object] = {}
-    for flag, env, kind, _ in FLAGS:
-        name = flag[2:].replace("-", "_")
-        value = getattr(args, name, None)
+    for field in dataclasses.fields(Settings):
+        value = getattr(args, field.name, None)
+        env = env_of(field.name)
         if value is None and environ.get(env):
+            kind = _kind(field)
             try:
                 value = kind(environ[env])
             except ValueError:
                 raise SettingsError(
                     f"{env}={environ[env]!r} is not a valid {kind.__name__}"
                 ) from None
+        if value is None:
+            value = field.metadata["cli_default"]
         if value is not None:
-            values[name] = value
-    values.setdefault("admin_port", CLI_ADMIN_PORT)
-    settings = Settings(**values)  # type: ignore[arg-type]
-    if not settings.vllm_url.startswith(("http://", "https://")):
-        raise SettingsError(f"--vllm-url must be an http(s) URL, got {settings.vllm_url!r}")
-    positive = ("poll_interval", "probe_timeout", "connect_timeout", "upstream_timeout",
-                "stream_idle_timeout", "max_body_bytes", "canary_interval", "canary_concurrency",
-                "canary_max_tokens", "max_inflight_body_bytes", "max_json_values",
-                "max_event_bytes", "body_timeout", "body_deadline", "response_deadline",
-                "write_timeout", "max_header_bytes", "max_headers",
-                "header_timeout", "max_connections", "drain_timeout", "loop_min_repeats",
-                "loop_window_chars", "loop_min_chars")  # fmt: skip
-    for name in positive:
-        if getattr(settings, name) <= 0:
-            raise SettingsError(f"--{name.replace('_', '-')} must be positive")
-    if settings.max_inflight_body_bytes < settings.max_body_bytes:
-        raise SettingsError("--max-inflight-body-bytes must be at least --max-body-bytes")
-    for name in ("port", "admin_port"):
-        port = getattr(settings, name)
-        if port is not None and not 0 < port < 65536:
-            raise SettingsError(f"--{name.replace('_', '-')} must be a TCP port, got {port}")
-    try:
-        extra_routes(settings)
-        trusted_proxies(settings)
-        upstream_client(settings)
-        lane(settings)
-    except ValueError as error:
-        raise SettingsError(str(error)) from None
-    if settings.canary_prompt_file is not None and not settings.canary_prompt_file.is_file():
-        raise SettingsError(f"--canary-prompt-file {settings.canary_prompt_file} does not exist")
-    settings.loop_policy()  # refuses unusable guard settings now, not at the first request
-    return settings
+            values[field.name] = value
+    return Settings(**values).check()  # type: ignore[arg-type]
 
 
 REPETITION_KEYS = ("max_pattern_size", "min_pattern_size", "min_count")
@@ -385,44 +329,6 @@ def _repetition_detection(text: str | None) -> dict[str, int] | None:
     if value.get("min_count", 0) < 2:
         raise SettingsError(f"{where}: min_count must be at least 2")
     return dict(value)
-
-
-def extra_routes(settings: Settings) -> tuple[str, ...]:
-    return routes.parse_extra(settings.extra_routes or "")
-
-
-def upstream_client(settings: Settings) -> str:
-    """`direct` or `aiohttp`; ValueError when the choice is unknown or unusable."""
-    choice = settings.upstream_client
-    if choice not in ("auto", "direct", "aiohttp"):
-        raise ValueError(f"--upstream-client must be one of auto, direct, aiohttp, got {choice!r}")
-    from mla_serve.sidecar.passthrough.proxy import upstream_client as choose
-
-    return choose(settings.upstream_client, settings.vllm_url)
-
-
-def lane(settings: Settings) -> bool:
-    """Whether the direct client reads token chunks in C; ValueError when the choice is
-    unknown, or `on` where the extension is not built."""
-    choice = settings.lane
-    if choice not in ("auto", "on", "off"):
-        raise ValueError(f"--lane must be one of auto, on, off, got {choice!r}")
-    from mla_serve.sidecar.passthrough import upstream
-
-    if choice == "on" and not upstream.LANE_BUILT:
-        raise ValueError("--lane on: the C lane (mla_serve/sidecar/_lane) is not built in this "
-                         "install; build with a C compiler, or use --lane auto or off")  # fmt: skip
-    return choice != "off" and upstream.LANE_BUILT
-
-
-def trusted_proxies(
-    settings: Settings,
-) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    items = [item.strip() for item in (settings.trusted_proxies or "").split(",") if item.strip()]
-    try:
-        return tuple(ipaddress.ip_network(item, strict=False) for item in items)
-    except ValueError as error:
-        raise ValueError(f"--trusted-proxies: {error}") from None
 
 
 class SettingsError(Exception):

@@ -1,23 +1,27 @@
-"""`make bench`: the pass-through's own Python work per chunk and per request (issue 19).
+"""`make bench`: the pass-through's own Python work per chunk and per request.
 
 In this process, no sockets: every stream vLLM 0.28.0, 0.29.0 and 0.33.0 sent on an H200
 (`tests/e2e/results/*/*/recorded_streams.json`) goes through the code the sidecar runs for a
-chat request without ASGI (mla_serve/sidecar/passthrough/fast.py's FastExchange, the runaway
-guard in its default `observe` mode): the request side (the client's body taken, checked and
-made into the bytes for vLLM: `request_body`, `inspect`, `_request_bytes`), then the
-response side (the head, every recorded read through the upstream callbacks `body` and
-`fed`, the end: the last bytes, the completion settled and counted). Writes go to a
-transport that keeps them; the bytes the client would get are checked against the recording,
-and the ledger's count against the streams run (exit 1 when either is off).
+chat request on its own front (passthrough/exchange.py's Exchange with a fronts.TransportFront,
+the runaway guard in its default `observe` mode): the request side (the client's body taken,
+checked and made into the bytes for vLLM, written on a pooled connection), then the response
+side (the head, every recorded read through the upstream callbacks `body` and `fed`, the end:
+the last bytes, the completion settled and counted). Writes go to a transport that keeps
+them; the bytes the client would get are checked against the recording, and the ledger's
+count against the streams run (exit 1 when either is off).
 
 Reported, not judged: CPU microseconds per request (request side, response side less its
-token chunks) and per token chunk (the reads the byte-exact token match takes): the best of
-`--repeats` passes over all streams (the usual figure of a microbenchmark: the others are the
-same work plus the machine's interruptions), with the median and the worst beside it. This
-is the interpreter's work with warm caches only: no system calls, no event loop turn per
-read, no cold wake-up. It says what a change to the hot path saves, without the noise of a
-process benchmark; the process benchmarks (bench_replay, the live bench) say what that is
-worth.
+token chunks) and per token chunk, the best of `--repeats` passes over all streams (the
+usual figure of a microbenchmark: the others are the same work plus the machine's
+interruptions), with the median and the worst beside it; and the whole read of one token
+chunk through the connection three ways, on the same reads: the Python path as it is (the
+stream's token shape, classify.TokenShape), the Python path with msgspec's typed JSON
+decoder (a library vLLM's image carries) in place of the shape, and the C lane. This is the
+interpreter's work with warm caches only: no system calls, no event loop turn per read, no
+cold wake-up. It says what a change to the hot path saves, without the noise of a process
+benchmark; the process benchmarks (bench_replay, the live bench) say what that is worth.
+`--compare-src DIR` runs another checkout's own bench_hot_path in turn with this one, round
+for round (paired), so a before/after is one run.
 """
 
 from __future__ import annotations
@@ -26,17 +30,23 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard
-from mla_serve.sidecar.passthrough import fast, proxy, upstream
+from mla_serve.sidecar.passthrough import lane, upstream
+from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+from mla_serve.sidecar.passthrough.fronts import TransportFront
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
 from tests.bench.bench_replay import RECORDINGS
@@ -84,7 +94,7 @@ class ServerState:
 
 
 class Protocol:
-    """What FastExchange uses of the sidecar's httptools protocol."""
+    """What the transport front uses of the sidecar's httptools protocol."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, body_length: int) -> None:
         self.loop = loop
@@ -153,50 +163,48 @@ def response_head(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 class HotPath:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lane_on: bool = True) -> None:
         settings = Settings(vllm_url="http://127.0.0.1:8000")
         registry = self.registry = CollectorRegistry()
         self.ledger = Ledger(registry, "bench_")
-        loops = LoopGuard(settings.loop_policy(), registry)
-        proxy_settings = proxy.ProxySettings(upstream=settings.vllm_url, upstream_client="direct")
-        self.proxy = proxy.Proxy(proxy_settings, self.ledger, loops, registry)
-        # vLLM's connection pool, as Proxy.start makes it (nothing connects: no request goes out)
-        self.proxy.pool = upstream.Pool(settings.vllm_url, proxy_settings.connect_timeout)
-        self.fast = fast.FastPath(self.proxy, None)
+        loops = LoopGuard(settings.loop_policy, registry)
+        self.service = PassThrough(settings, self.ledger, loops, registry)
+        # vLLM's connection pool, as PassThrough.start makes it (nothing connects: the
+        # connections are made here, on transports that keep what is written)
+        self.service.pool = upstream.Pool(settings.vllm_url, settings.connect_timeout,
+                                          lane_on=lane_on)  # fmt: skip
         self.loop = loop
 
-    def request(self, stream: dict[str, Any]) -> fast.FastExchange:
+    def request(self, stream: dict[str, Any]) -> Exchange:
+        """The client's request read (its head, then its body, as the protocol hands them on)
+        and sent to vLLM on a pooled connection."""
         protocol = Protocol(self.loop, len(stream["body"]))
-        exchange = fast.FastExchange(self.fast, protocol, PATH, True)
-        exchange.request_body(stream["body"])
-        request = exchange.request
-        proxy.inspect(request, self.proxy.settings.max_json_values, self.proxy.loops, PATH)
-        exchange.payload = self.proxy._request_bytes(exchange.scope, PATH, request.body[0])
-        request.body.clear()
-        self.proxy._release(request)
+        front = TransportFront(protocol, keep_alive=True, http10=False)
+        exchange = self.service.open(front, b"POST", PATH, b"", protocol.headers, "10.0.0.7",
+                                     b"http", True)  # fmt: skip
+        assert exchange is not None
+        front.exchange = exchange
+        protocol.fast = front
+        exchange.begin(len(stream["body"]))
+        exchange.take_body(stream["body"])
+        exchange.body_done()
         return exchange
 
-    def connect(self, exchange: fast.FastExchange) -> upstream.Connection:
-        """The request (made by `request`) sent on a pooled connection to vLLM (no socket),
-        as request_done sends it; its `data_received` takes vLLM's reads (the C lane's where
-        built and the pool's `lane` is on)."""
-        pool = self.proxy.pool
+    def pooled(self, count: int = 1) -> None:
+        """Connections to vLLM (no socket) idle in the pool, one for each next request."""
+        pool = self.service.pool
         assert pool is not None
-        conn = upstream.Connection(pool)
-        conn.connection_made(VllmTransport())  # type: ignore[arg-type]
-        pool.idle.append((conn, self.loop.time()))
-        exchange.reading = False
-        exchange._attempt()
-        assert exchange.conn is conn
-        return conn
+        for _ in range(count):
+            conn = upstream.Connection(pool)
+            conn.connection_made(VllmTransport())  # type: ignore[arg-type]
+            pool.idle.append((conn, self.loop.time()))
 
-    def response(self, exchange: fast.FastExchange, stream: dict[str, Any]) -> None:
+    def response(self, exchange: Exchange, stream: dict[str, Any]) -> None:
         exchange.head(200, stream["headers"])
         for data in stream["reads"]:
             exchange.body(data)
             exchange.fed()
-        exchange.complete = exchange.finished = True
-        exchange._end()
+        exchange.end()
 
     def counted(self) -> float:
         """Completions the ledger has counted (every model and finish reason)."""
@@ -208,23 +216,63 @@ class HotPath:
             if sample.name == "bench_completions_total"
         )
 
-    def tokens_of(self, stream: dict[str, Any]) -> int:
-        """How many of the stream's reads the token match takes (run once, counted)."""
-        taken = 0
-        original = proxy.token_chunk
 
-        def counting(*args: Any) -> bool | None:
-            nonlocal taken
-            verdict = original(*args)
-            taken += verdict is not None
-            return verdict
+def transport_of(exchange: Exchange) -> Transport:
+    return exchange.front.transport  # type: ignore[attr-defined,no-any-return]
 
-        proxy.token_chunk = counting
+
+# msgspec's typed decoder in place of the token shape: a library vLLM's image carries, on the
+# same reads (a chunk decoded into these structs, then checked to be a token chunk).
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning: str | None = None
+    role: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int
+    delta: _Delta | None = None
+    text: str | None = None
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: Any = None
+
+
+class MsgspecShape:
+    """classify.TokenShape's `match`, by msgspec: (channel, text) of a token chunk."""
+
+    decoder = msgspec.json.Decoder(_Chunk)
+
+    def __init__(self, shape: Any) -> None:
+        self.shape = shape
+
+    def match(self, event: bytes) -> tuple[str, str] | None:
+        if not event.startswith(b"data: {") or not event.endswith(b"\n\n"):
+            return None
         try:
-            self.response(self.request(stream), stream)
-        finally:
-            proxy.token_chunk = original
-        return taken
+            chunk = self.decoder.decode(event[6:])
+        except msgspec.DecodeError:
+            return None
+        if len(chunk.choices) != 1 or chunk.usage is not None:
+            return None
+        choice = chunk.choices[0]
+        if choice.index != 0 or choice.finish_reason is not None or choice.logprobs is not None:
+            return None
+        delta = choice.delta
+        if delta is None:
+            return ("text", choice.text) if choice.text is not None else None
+        if delta.role is not None or delta.tool_calls is not None:
+            return None
+        if delta.content is not None and delta.reasoning is None:
+            return "content", delta.content
+        if delta.reasoning is not None and delta.content is None:
+            return "reasoning", delta.reasoning
+        return None
 
 
 def timed(fn: Any, items: list[Any]) -> float:
@@ -244,22 +292,30 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
     hot = HotPath(asyncio.get_running_loop())
     problems = []
     before = hot.counted()
+    tokens = 0
     for number, stream in enumerate(streams):  # the bytes the client gets: vLLM's, unchanged
+        hot.pooled()
         exchange = hot.request(stream)
-        hot.response(exchange, stream)
-        wire = b"".join(exchange.protocol.transport.out)
+        exchange.head(200, stream["headers"])
+        for data in stream["reads"]:
+            shape = exchange.shape
+            tokens += shape is not None and shape.match(data) is not None
+            exchange.body(data)
+            exchange.fed()
+        exchange.end()
+        wire = b"".join(transport_of(exchange).out)
         head, _, body = wire.partition(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200") or dechunk(body) != b"".join(stream["reads"]):
             problems.append(f"stream {number}: the client's bytes differ from vLLM's")
     if hot.counted() - before != len(streams):
         problems.append(f"the ledger counted {hot.counted() - before:g} of {len(streams)} streams")
-    tokens = sum(hot.tokens_of(stream) for stream in streams)
     reads = sum(len(stream["reads"]) for stream in streams)
     batch = streams * scale
     passes: dict[str, list[float]] = {"request": [], "response": []}
     for _ in range(repeats):
-        exchanges: list[fast.FastExchange] = []
+        exchanges: list[Exchange] = []
         keep = exchanges.append
+        hot.pooled(len(batch))
         passes["request"].append(timed(lambda s, keep=keep: keep(hot.request(s)), batch))
         pairs = list(zip(exchanges, batch, strict=True))
         passes["response"].append(timed(lambda pair: hot.response(*pair), pairs))
@@ -268,14 +324,16 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
     # response side splits into a part per token chunk and a part per request.
     only_tokens = []
     for stream in streams:
+        hot.pooled()
         exchange = hot.request(stream)
         exchange.head(200, stream["headers"])
         token_reads = []
         for data in stream["reads"]:
-            head = exchange.head_bytes
-            if head is not None and data.startswith(head):
+            shape = exchange.shape
+            if shape is not None and shape.match(data) is not None:
                 token_reads.append(data)
             exchange.body(data)
+            exchange.fed()
         only_tokens.append((exchange, token_reads))
 
     def token_pass(_: object) -> None:
@@ -285,11 +343,12 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
                 exchange.fed()
 
     per_token = [timed(token_pass, [None] * scale) / (tokens * scale) for _ in range(repeats)]
-    per_read = {"python": per_token_read(hot, streams, False, repeats, scale)}
+    per_read = {"python": per_token_read(streams, "python", repeats, scale)}
     if per_read["python"][1]:
         problems.append("the Python path's token reads went through the lane")
-    if upstream._lane is not None:
-        per_read["lane"] = per_token_read(hot, streams, True, repeats, scale)
+    per_read["msgspec"] = per_token_read(streams, "msgspec", repeats, scale)
+    if lane.BUILT:
+        per_read["lane"] = per_token_read(streams, "lane", repeats, scale)
         if per_read["lane"][1] < 0.5:
             problems.append(f"the lane took only {per_read['lane'][1]:.0%} of the token reads")
     token_us = min(per_token)
@@ -311,7 +370,7 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
         "us_per_token_chunk": spread(per_token),
         "us_per_request_response_less_token_chunks": spread(rest),
         # the whole read of a token chunk: Connection.data_received (httptools, the
-        # exchange), or the C lane's (_lane.c) where it takes the read
+        # exchange's token shape, or msgspec in its place), or the C lane's (_lane.c)
         "us_per_token_read": {way: spread(times) for way, (times, _) in per_read.items()},
         "lane_took": per_read["lane"][1] if "lane" in per_read else None,
         "problems": problems,
@@ -319,43 +378,99 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
 
 
 def per_token_read(
-    hot: HotPath, streams: list[dict[str, Any]], lane: bool, repeats: int, scale: int
+    streams: list[dict[str, Any]], way: str, repeats: int, scale: int
 ) -> tuple[list[float], float]:
     """Microseconds per read of one token chunk through the connection (each stream's
     response read first, the Python path arming the lane as it does), and the share of
-    those reads the lane took."""
-    pool = hot.proxy.pool
-    assert pool is not None
-    saved = pool.lane
-    pool.lane = lane and upstream._lane is not None
-    try:
-        setups = []
-        for stream in streams:
-            exchange = hot.request(stream)
-            conn = hot.connect(exchange)
-            conn.data_received(response_head([*stream["headers"],
-                                              (b"transfer-encoding", b"chunked")]))  # fmt: skip
-            token_reads = []
-            for data in stream["reads"]:
-                head = exchange.head_bytes
-                if head is not None and data.startswith(head):
-                    token_reads.append(frame(data))
-                conn.data_received(frame(data))
-            exchange.protocol.transport.out.clear()
-            setups.append((conn, token_reads))
-        count = sum(len(reads) for _, reads in setups) * scale
+    those reads the lane took. `way`: python, msgspec (its decoder in place of the token
+    shape), lane."""
+    hot = HotPath(asyncio.get_event_loop(), lane_on=way == "lane")
+    setups = []
+    for stream in streams:
+        hot.pooled()
+        exchange = hot.request(stream)
+        conn = exchange.conn
+        assert conn is not None
+        conn.data_received(response_head([*stream["headers"],
+                                          (b"transfer-encoding", b"chunked")]))  # fmt: skip
+        token_reads = []
+        for data in stream["reads"]:
+            shape = exchange.shape
+            if shape is not None and shape.match(data) is not None:
+                token_reads.append(frame(data))
+            conn.data_received(frame(data))
+        if way == "msgspec" and exchange.shape is not None:
+            exchange.shape = MsgspecShape(exchange.shape)  # type: ignore[assignment]
+        transport_of(exchange).out.clear()
+        setups.append((conn, token_reads))
+    count = sum(len(reads) for _, reads in setups) * scale
 
-        def read_pass(_: object) -> None:
-            for conn, token_reads in setups:
-                for data in token_reads:
-                    conn.data_received(data)
+    def read_pass(_: object) -> None:
+        for conn, token_reads in setups:
+            for data in token_reads:
+                conn.data_received(data)
 
-        taken = upstream._lane.taken() if upstream._lane is not None else 0
-        times = [timed(read_pass, [None] * scale) / count for _ in range(repeats)]
-        taken = (upstream._lane.taken() if upstream._lane is not None else 0) - taken
-        return times, round(taken / (count * repeats), 4)
-    finally:
-        pool.lane = saved
+    taken = lane.taken()
+    times = [timed(read_pass, [None] * scale) / count for _ in range(repeats)]
+    taken = lane.taken() - taken
+    return times, round(taken / (count * repeats), 4)
+
+
+FIGURES = (
+    "us_per_request_request_side", "us_per_request_response_side",
+    "us_per_request_response_less_token_chunks", "us_per_token_chunk",
+)  # fmt: skip
+
+
+def compare(args: argparse.Namespace) -> int:
+    """This checkout's bench and `--compare-src`'s own, one after the other per round, in
+    processes of their own (the same Python): each figure's best over the rounds, and the
+    ratio this / that per round (its median and range)."""
+    other = args.compare_src.resolve()
+    if not (other / "tests" / "bench" / "bench_hot_path.py").is_file():
+        print(f"--compare-src {other}: no tests/bench/bench_hot_path.py there", file=sys.stderr)
+        return 2
+    rounds: dict[str, list[dict[str, Any]]] = {"this": [], "that": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for number in range(args.rounds):
+            for name, root in (("this", ROOT), ("that", other)):
+                out = Path(scratch) / f"{name}-{number}.json"
+                subprocess.run(
+                    [sys.executable, "-m", "tests.bench.bench_hot_path", "--out", str(out),
+                     "--repeats", str(args.repeats), "--scale", str(args.scale)],
+                    cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                    check=False, stdout=subprocess.DEVNULL,
+                )  # fmt: skip
+                rounds[name].append(json.loads(out.read_text()))
+    result: dict[str, Any] = {"rounds": args.rounds, "this": str(ROOT), "that": str(other)}
+    keys = [*FIGURES, *(f"us_per_token_read/{way}" for way in ("python", "lane"))]
+    for key in keys:
+
+        def best(run: dict[str, Any], key: str = key) -> float | None:
+            if "/" in key:
+                section, way = key.split("/")
+                value = run[section].get(way)
+                return None if value is None else float(value["best"])
+            return float(run[key]["best"])
+
+        pairs = [(best(a), best(b)) for a, b in zip(rounds["this"], rounds["that"], strict=True)]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if not pairs:
+            continue
+        ratios = sorted(a / b for a, b in pairs)
+        result[key] = {
+            "this_best": min(a for a, _ in pairs), "that_best": min(b for _, b in pairs),
+            "ratio_median": round(statistics.median(ratios), 3),
+            "ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+        }  # fmt: skip
+        figure = result[key]
+        print(f"  {key:45s} this {figure['this_best']:7.2f} us, that {figure['that_best']:7.2f} "
+              f"us: this/that {figure['ratio_median']:.3f} ({figure['ratio_range'][0]:.3f}-"
+              f"{figure['ratio_range'][1]:.3f})")  # fmt: skip
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,27 +479,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recordings", default=RECORDINGS)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--scale", type=int, default=20, help="passes over all streams per repeat")
+    parser.add_argument("--compare-src", type=Path, default=None,
+                        help="another checkout (its C lane built in place): its bench_hot_path "
+                        "and this one's, round for round")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of --compare-src")
     args = parser.parse_args(argv)
+    if args.compare_src is not None:
+        return compare(args)
     streams = load(args.recordings)
     if not streams:
         print(f"no recorded streams under {args.recordings}", file=sys.stderr)
         return 1
     result = asyncio.run(measure(streams, args.repeats, args.scale))
-    result["what"] = ("IN-PROCESS, warm caches, no sockets: the pass-through's work on real vLLM "
-                      "streams (fast.py's FastExchange, guard observing; token reads also "
-                      "through the C lane)")  # fmt: skip
+    result["what"] = (
+        "IN-PROCESS, warm caches, no sockets: the pass-through's work on real vLLM streams (the "
+        "exchange on its own front, guard observing; token reads also with msgspec in place "
+        "of the token shape, and through the C lane)"
+    )
     result["python"] = platform.python_version()
     result["machine"] = platform.machine()
     print(result["what"])
     print(f"{result['streams']} streams, {result['reads']} reads, {result['token_reads']} token "
           f"chunks; Python {result['python']}")  # fmt: skip
-    for key in ("us_per_request_request_side", "us_per_request_response_side",
-                "us_per_request_response_less_token_chunks", "us_per_token_chunk"):  # fmt: skip
+    for key in FIGURES:
         b = result[key]
         print(f"  {key:45s} best {b['best']:8.2f} us, median {b['median']:.2f}, max {b['max']:.2f}")
     for way, b in result["us_per_token_read"].items():
         took = f" (the lane took {result['lane_took']:.1%} of them)" if way == "lane" else ""
-        print(f"  us_per_token_read, {way:6s}                    best {b['best']:8.2f} us, "
+        print(f"  us_per_token_read, {way:7s}                   best {b['best']:8.2f} us, "
               f"median {b['median']:.2f}, max {b['max']:.2f}{took}")  # fmt: skip
     for problem in result["problems"]:
         print(f"PROBLEM: {problem}")

@@ -9,7 +9,8 @@
    than off. The stand-in's tokens (`"<seq>@<t> "`, about 20 characters, never periodic) make
    the guard check at almost every chunk; real tokens (about 4 characters) make it check
    every fourth one, so this is the expensive case of ordinary text.
-2. The hot path alone, in this process: `proxy._observe` over the same chat chunks with no
+2. The hot path alone, in this process: an exchange's response path over the same chat
+   chunks (a read each: the token shape, the guard's tokens) with no
    guard and with an observing guard, in CPU microseconds per 1000 chunks, for ordinary text
    (4-character tokens of a long non-periodic reasoning) and for a looping stream. Reported,
    not judged: it leaves out the network and ASGI work that dominates (1).
@@ -20,6 +21,7 @@ Results: --out (JSON) and a summary. Exit 1 when the target is missed or not mea
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -33,8 +35,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard, LoopPolicy
-from mla_serve.sidecar.passthrough.proxy import Proxy, ProxySettings
-from mla_serve.sidecar.passthrough.runaways import Completion, Ledger
+from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+from mla_serve.sidecar.passthrough.runaways import Ledger
+from mla_serve.sidecar.settings import Settings
 from tests.bench.bench_passthrough import LOADGEN, MODEL, ROOT, UPSTREAM, run_loadgen
 from tests.bench.passthrough import proxies
 from tests.bench.passthrough.procs import Proc, wait_http
@@ -152,22 +155,34 @@ def hot_path(repeat: int) -> dict[str, Any]:
         "ordinary_text": LEGIT["long_reasoning"][1] * 4,
         "looping_text": LOOPS["paragraph"][1],
     }
+    return asyncio.run(_hot_path(texts, repeat))
+
+
+async def _hot_path(texts: dict[str, str], repeat: int) -> dict[str, Any]:
     registry = CollectorRegistry()
     guard = LoopGuard(LoopPolicy(action="observe"), registry)
-    # The sidecar's own classifier, as it runs per read of vLLM's stream (no network here).
-    proxy = Proxy(ProxySettings(upstream="http://127.0.0.1:9"), Ledger(registry, "bench_"), guard)
+    # The sidecar's own exchange, as it runs per read of vLLM's stream (no network here).
+    service = PassThrough(Settings(vllm_url="http://127.0.0.1:9"), Ledger(registry, "bench_"),
+                          guard, registry)  # fmt: skip
     out: dict[str, Any] = {}
     for name, text in texts.items():
         events = sse(chat_chunks(text))
         timings: dict[str, list[float]] = {"off": [], "observe": []}
         for _ in range(repeat):
             for mode in ("off", "observe"):
-                completion = Completion()
-                watch = guard.watch({"model": MODEL, "max_tokens": 100000}, "/v1/chat/completions")
+                exchange = Exchange(service, _Front(), b"POST", "/v1/chat/completions", b"", [],
+                                    "", b"http")  # fmt: skip
+                exchange.reading = False
+                if mode == "observe":
+                    exchange.guard = guard.watch({"model": MODEL, "max_tokens": 100000},
+                                                 "/v1/chat/completions")  # fmt: skip
+                exchange.head(200, [(b"content-type", b"text/event-stream")])
                 started = time.process_time()
                 for event in events:
-                    proxy._observe(event, completion, False, watch if mode == "observe" else None)
+                    exchange.body(event)
+                    exchange.fed()
                 timings[mode].append(time.process_time() - started)
+                exchange.close()
         per = {m: 1e9 * min(t) / len(events) for m, t in timings.items()}  # µs per 1000
         out[name] = {
             "chunks": len(events),
@@ -175,6 +190,30 @@ def hot_path(repeat: int) -> dict[str, Any]:
             "growth": round(per["observe"] / per["off"] - 1, 4),
         }
     return out
+
+
+class _Front:
+    """Where the exchange's bytes would go: nowhere (the guard's cost is what is measured)."""
+
+    direct = False
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: bool) -> None:
+        pass
+
+    def write(self, data: bytes) -> bool:
+        return False
+
+    def finish(self, data: bytes) -> None:
+        pass
+
+    def cut(self) -> None:
+        pass
+
+    def answer(self, status: int, body: bytes, close: bool) -> None:
+        pass
+
+    def transport_write(self) -> Any:
+        raise AssertionError
 
 
 def main() -> int:

@@ -449,8 +449,6 @@ def versions(bench_venv: Path) -> dict[str, str]:
     # what mla_serve/sidecar/serve.py picks: httptools and uvloop when importable
     out["sidecar_http"] = "httptools" if importlib.util.find_spec("httptools") else "h11"
     out["sidecar_loop"] = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    # --upstream-client auto: chat/completions on the direct client when httptools is there
-    out["sidecar_upstream_client"] = "direct" if out["sidecar_http"] == "httptools" else "aiohttp"
     return out
 
 

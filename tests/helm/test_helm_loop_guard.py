@@ -13,7 +13,7 @@ from tests.helm.helm_support import render, sidecar_settings
 
 def test_defaults_observe_with_the_documented_loop_definition() -> None:
     settings = sidecar_settings({})
-    policy = settings.loop_policy()
+    policy = settings.loop_policy
     assert policy.action == "observe" and dict(policy.model_actions) == {}
     config = policy.config
     assert (config.min_repeats, config.window_chars, config.min_chars) == (4, 4096, 1024)
@@ -37,7 +37,7 @@ def test_stop_per_model_and_vllm_defaults_reach_the_sidecar() -> None:
             }
         },
     }
-    policy = sidecar_settings(values).loop_policy()
+    policy = sidecar_settings(values).loop_policy
     assert policy.action == "off"
     assert dict(policy.model_actions) == {"dsv4": "stop", "glm": "observe"}
     assert (policy.config.min_repeats, policy.config.window_chars) == (3, 6000)

@@ -217,13 +217,13 @@ class Livez:
 
 @dataclass
 class Front:
-    """One way into the sidecar for a chat request: the fast path (httptools, no ASGI), ASGI
-    on httptools (a query string keeps a request off the fast path; still classified), or
-    h11 (always ASGI)."""
+    """One way into the sidecar for a chat request: the sidecar's own front (httptools, no
+    ASGI), ASGI on httptools (`Expect: 100-continue` keeps a request off the own front; still
+    classified), or h11 (always ASGI). `headers` go with the request."""
 
     name: str
     sidecar: Sidecar
-    query: str = ""
+    headers: tuple[str, ...] = ()
 
     @property
     def port(self) -> int:
@@ -240,7 +240,8 @@ def fronts(vllm_url: str, logs: Path, *flags: str) -> Iterator[dict[str, Front]]
                Sidecar(vllm_url, logs / "h11.log", *flags, "--http", "h11")]  # fmt: skip
     try:
         httptools, h11 = (one.wait_up() for one in started)
-        yield {"fast": Front("fast", httptools), "asgi": Front("asgi", httptools, "?front=asgi"),
+        expect = ("Expect: 100-continue",)
+        yield {"fast": Front("fast", httptools), "asgi": Front("asgi", httptools, expect),
                "h11": Front("h11", h11)}  # fmt: skip
     finally:
         for one in started:

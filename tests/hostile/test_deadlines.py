@@ -36,7 +36,7 @@ def test_a_trickled_body_ends_at_the_body_deadline(front, attack, name):
     check = attack(f"request body trickled a byte every 0.4 s ({name})", "deadlines")
     one = front[name]
     body = json.dumps(ask("hi")).encode()
-    whole = post(CHAT + one.query, body)
+    whole = post(CHAT, body, *one.headers)
     reply = trickle(one.port, whole[: -len(body)], body, 0.4, timeout=8)
     message = reply.json()["error"]["message"] if reply.status else ""
     check.figures.update(status=reply.status, seconds=round(reply.seconds, 2), message=message)
@@ -62,7 +62,7 @@ def test_a_trickled_response_ends_at_the_response_deadline(front, fake, attack, 
             json.dumps({"model": MODEL, "input": "[bodytrickle]", "stream": False}).encode(),
         )
     else:
-        data = post(CHAT + one.query, json.dumps(ask("[bodytrickle] x")).encode())
+        data = post(CHAT, json.dumps(ask("[bodytrickle] x")).encode(), *one.headers)
     reply = exchange(one.port, data, timeout=10)
     declared = int(reply.header("content-length") or 0)
     check.figures.update(status=reply.status, seconds=round(reply.seconds, 2),
@@ -73,8 +73,9 @@ def test_a_trickled_response_ends_at_the_response_deadline(front, fake, attack, 
     cut = one.sidecar.metric("mla_serve_truncated_responses_total") - before
     check.check(cut == 1, f"{cut} truncations counted")
     if name != "aiohttp":  # a stream outlives the deadline: 0.1 s an event, about 1.1 s
-        path = f"{one.sidecar.url}{CHAT}{one.query}"
-        stream = httpx.post(path, json=ask("[slow] hi", stream=True), timeout=10)
+        path = f"{one.sidecar.url}{CHAT}"
+        headers = dict(line.split(": ", 1) for line in one.headers)
+        stream = httpx.post(path, json=ask("[slow] hi", stream=True), headers=headers, timeout=10)
         check.check(stream.text.endswith("data: [DONE]\n\n"), f"stream cut: {stream.text[-80:]!r}")
     check.done()
 
@@ -92,7 +93,7 @@ def test_a_client_that_never_reads_is_disconnected(front, fake, attack, name):
     sock.connect(("127.0.0.1", one.port))
     started = time.monotonic()
     try:
-        sock.sendall(post(CHAT + one.query, json.dumps(ask("[endless] x", stream=True)).encode()))
+        sock.sendall(post(CHAT, json.dumps(ask("[endless] x", stream=True)).encode(), *one.headers))
         while fake.cut_streams == cut and time.monotonic() - started < 15:
             time.sleep(0.05)
         took = time.monotonic() - started

@@ -52,9 +52,11 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
 
 def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float = 10) -> Reply:
     """Send `head`, then `drip` one byte every `interval` s until the server answers (or
-    closes the connection) or `timeout`; parse its response."""
+    closes the connection) or `timeout`; parse its response. An interim `100 Continue`
+    (the answer to `Expect: 100-continue`) is no answer: the drip goes on."""
     started = time.monotonic()
     closed = False
+    interim = b""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(head)
         for byte in drip:
@@ -66,8 +68,16 @@ def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float
                 closed = True
                 break
             if select.select([sock], [], [], interval)[0]:  # an answer, or the end
-                break
+                if interim != b"" or b"100-continue" not in head.lower():
+                    break
+                interim = sock.recv(len(CONTINUE), socket.MSG_PEEK)
+                if interim != CONTINUE:
+                    break
+                sock.recv(len(CONTINUE))
         return _read_reply(sock, started, timeout, closed)
+
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def _read_reply(sock: socket.socket, started: float, timeout: float, closed: bool) -> Reply:

@@ -292,7 +292,7 @@ class ResponseGuard:
     def add_token(self, index: int, channel: str, text: str) -> bool:
         """`add_chunk` for a chunk whose one choice (`index`) has a delta of one `channel`
         ("reasoning" or "content") and no finish_reason, once `head` is set: vLLM's token
-        chunk, which the pass-through reads without parsing it whole (proxy.token_chunk)."""
+        chunk, which the pass-through reads without parsing it whole (classify.TokenShape)."""
         watch = self.watches.get(index)
         if watch is None:
             watch = self.watches[index] = _Watch(TailDetector(self.config))
@@ -302,6 +302,17 @@ class ResponseGuard:
         if self.looping and self.action == "stop" and self._all_looping():
             self.stopped = True
         return self.stopped
+
+    def took(self, index: int, tokens: int, texts: list[str]) -> None:
+        """`add_token` for `tokens` token chunks the C lane took (lane.py): counted, and their
+        texts, of the channel the detector watches, added without a check (the lane stops
+        short of the text that would make the detector look)."""
+        watch = self.watches[index]
+        watch.tokens += tokens
+        if texts and watch.loop is None:
+            detector = watch.detector
+            detector.pieces.extend(texts)
+            detector.fresh += sum(map(len, texts))
 
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
         if text.__class__ is not str or watch.loop is not None:

@@ -1,25 +1,21 @@
 /* The per-read path of a token stream, in C: no Python frame for a read of vLLM's socket
- * that carries token chunks only (issue 19).
+ * that carries token chunks only.
  *
- * upstream.Connection sets a `Lane` as its `data_received`. Unarmed, the lane hands every read
- * to the connection's Python method (`fallback`), which feeds httptools and calls the
- * exchange: proxy.Exchange.body / fast.FastExchange.fed. After a Python read that left vLLM's
- * parser between two chunks, FastExchange.may_arm arms it for that stream. Armed, a read that is
- * one or more whole chunks of HTTP/1.1 chunked coding (canonical: lowercase hex size, no
- * extension), each one token chunk of the stream, is done here with exactly the effects of
- * the Python path, and written to the client as vLLM framed it:
- *   - proxy.token_chunk's match: the stream's head bytes, then `content` or `reasoning` with
- *     one JSON string and the fixed tail (`_TOKEN`), decoded as json.loads decodes it;
- *   - choice 0 becomes visible on content that is not all whitespace (Choice.visible);
- *   - the loop guard's add_token: the token counted, its text appended to the detector's
- *     pieces; a token that would make the detector check (or change its channel) is given
- *     to ResponseGuard.add_token itself, and when that stops the stream, the read's token
- *     chunks up to it go to the exchange's batch and Exchange._finish ends it, as there;
- *   - the connection's `got_bytes` and `last_read`.
- * Anything else (a partial chunk, another event, an escape the grammar refuses, bytes that
- * are not UTF-8, the client's transport paused, bytes waiting, the response ending) is not
- * touched: the lane disarms and the read goes to the Python path, which re-arms it when it
- * may. The stable ABI (3.11) only: one build serves every CPython from 3.11 on.
+ * An accelerator of the pass-through's one classifier (classify.TokenShape). A `Lane` is an
+ * upstream connection's `data_received`. Unarmed, every read goes to the connection's Python
+ * method (`fallback`). Armed with a stream's token shape (its head bytes, the keys of its one
+ * string field, its tail bytes), a read that is 1..MAX_FRAMES whole chunks of HTTP/1.1
+ * chunked coding (canonical: lowercase hex size, no extension), each a token chunk of that
+ * shape, is taken here: the read is written to the client as vLLM framed it (the `write` the
+ * lane was given), and what the Python path would have done with its tokens is kept on this
+ * object until the exchange collects it (`drain`): how many token chunks, whether one had
+ * visible text, and, when a channel is watched by the runaway guard, their texts (decoded as
+ * json.loads decodes a string) up to `budget` characters, the point where the guard's
+ * detector must look. Anything else (a partial chunk, another event, an escape JSON refuses,
+ * bytes that are not UTF-8, another channel, the budget reached) is not touched: the lane
+ * disarms and hands the read to the Python path, which collects what the lane kept first.
+ * The lane reads and writes nothing but its own fields and the two callables it was given.
+ * The stable ABI (3.11): one build serves every CPython from 3.11 on.
  */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
@@ -27,49 +23,40 @@
 #include <string.h>
 
 #define MAX_FRAMES 64
-
-/* What an armed lane works with: one stream's objects. */
-typedef struct {
-    PyObject *conn;       /* upstream.Connection */
-    PyObject *exchange;   /* fast.FastExchange */
-    PyObject *head;       /* bytes every token chunk of the stream starts with */
-    PyObject *choice;     /* runaways.Choice of choice 0 */
-    PyObject *guard;      /* loops.ResponseGuard or None */
-    PyObject *watch;      /* loops._Watch of choice 0, or None */
-    PyObject *write;      /* the client's transport.write */
-    PyObject *flow;       /* the client's flow control (write_paused) */
-    PyObject *clock;      /* the loop's time() */
-    Py_ssize_t check_every;
-} Armed;
-
-#define ARMED_OBJECTS(a) {(a)->conn, (a)->exchange, (a)->head, (a)->choice, (a)->guard, \
-                          (a)->watch, (a)->write, (a)->flow, (a)->clock}
+#define MAX_KEYS 4
 
 typedef struct {
     PyObject_HEAD
-    PyObject *fallback;   /* the connection's Python data_received */
+    PyObject *fallback;              /* the connection's Python data_received */
     int armed;
-    Armed a;
+    /* the shape it was armed with */
+    PyObject *head;                  /* bytes */
+    PyObject *tail;                  /* bytes */
+    Py_ssize_t nkeys;
+    PyObject *keys[MAX_KEYS];        /* bytes: the field's name through the opening quote */
+    int visible[MAX_KEYS];           /* whether the key's text is visible content */
+    int allowed[MAX_KEYS];           /* the key's channel is taken here */
+    int keep_texts;                  /* a channel is watched: texts kept, budget counted */
+    Py_ssize_t budget;               /* characters of text left before the detector looks */
+    PyObject *write;                 /* the client transport's write */
+    PyObject *clock;                 /* the event loop's time */
+    /* what was taken since the last drain */
+    Py_ssize_t tokens;
+    int saw_visible;
+    PyObject *texts;                 /* list of str, or NULL */
+    double last_read;
 } Lane;
 
 typedef struct {
     Py_ssize_t start, size;  /* the chunk's payload in the read */
-    int content;             /* channel: content (1) or reasoning (0) */
-    PyObject *text;          /* the decoded string */
+    Py_ssize_t key;          /* which key */
+    PyObject *text;          /* the decoded string, when needed; else NULL */
+    Py_ssize_t chars;
 } Token;
 
-static PyObject *s_ended, *s_finished, *s_head_out, *s_pending, *s_write_paused, *s_batch,
-    *s_finish, *s_got_bytes, *s_last_read, *s_visible, *s_loop, *s_channel, *s_tokens,
-    *s_detector, *s_fresh, *s_pieces, *s_add_token, *s_looping, *s_action, *s_stop,
-    *s_content, *s_reasoning, *s_isspace, *s_transport, *s_flow, *s_write, *s_clock, *s_quote;
+static PyObject *s_isspace, *s_quote;
 static PyObject *scanstring;      /* _json.scanstring (json.decoder's, when built) or NULL */
 static unsigned long long taken;  /* reads done in C, every lane of the process */
-
-static const char TAIL1[] = "},\"logprobs\":null,\"finish_reason\":null";
-static const char TOKEN_IDS[] = ",\"token_ids\":null";
-static const char TAIL2[] = "}]";
-static const char KV[] = ",\"kv_transfer_params\":null";
-static const char TAIL3[] = "}\n\n";
 
 static int at(const char *p, Py_ssize_t n, Py_ssize_t i, const char *lit, Py_ssize_t len)
 {
@@ -108,64 +95,42 @@ static int frame_at(const char *p, Py_ssize_t n, Py_ssize_t *pos, Py_ssize_t *st
     return 1;
 }
 
-/* proxy._TOKEN from `i` to the end of the payload: 1 and the string's span, or 0. */
-static int token_at(const char *p, Py_ssize_t n, Py_ssize_t i, int *content, Py_ssize_t *s,
-                    Py_ssize_t *e, int *escaped)
+/* JSON's string grammar from `i`: the index of the closing quote, or -1; whether it holds
+ * an escape, and a byte outside ASCII. */
+static Py_ssize_t string_end(const char *p, Py_ssize_t n, Py_ssize_t i, int *escaped, int *high)
 {
     static const char HEX[] = "0123456789abcdefABCDEF";
-    if (at(p, n, i, "content\":\"", 10)) {
-        *content = 1;
-        i += 10;
-    } else if (at(p, n, i, "reasoning\":\"", 12)) {
-        *content = 0;
-        i += 12;
-    } else {
-        return 0;
-    }
-    *s = i;
-    *escaped = 0;
+    *escaped = *high = 0;
     for (;;) {
         if (i >= n)
-            return 0;
+            return -1;
         unsigned char c = (unsigned char)p[i];
         if (c == '"')
-            break;
+            return i;
         if (c < 0x20)
-            return 0;
+            return -1;
         if (c != '\\') {
+            *high |= c >= 0x80;
             i++;
             continue;
         }
         *escaped = 1;
         if (i + 1 >= n)
-            return 0;
+            return -1;
         c = (unsigned char)p[i + 1];
-        if (strchr("\"\\/bfnrt", c) != NULL && c != 0) {
+        if (c != 0 && strchr("\"\\/bfnrt", c) != NULL) {
             i += 2;
         } else if (c == 'u') {
             if (i + 6 > n)
-                return 0;
+                return -1;
             for (int k = 2; k < 6; k++)
                 if (p[i + k] == 0 || strchr(HEX, p[i + k]) == NULL)
-                    return 0;
+                    return -1;
             i += 6;
         } else {
-            return 0;
+            return -1;
         }
     }
-    *e = i;
-    i++;
-    if (!at(p, n, i, TAIL1, sizeof TAIL1 - 1))
-        return 0;
-    i += sizeof TAIL1 - 1;
-    if (at(p, n, i, TOKEN_IDS, sizeof TOKEN_IDS - 1))
-        i += sizeof TOKEN_IDS - 1;
-    if (!at(p, n, i, TAIL2, sizeof TAIL2 - 1))
-        return 0;
-    i += sizeof TAIL2 - 1;
-    if (at(p, n, i, KV, sizeof KV - 1))
-        i += sizeof KV - 1;
-    return at(p, n, i, TAIL3, sizeof TAIL3 - 1) && i + (Py_ssize_t)(sizeof TAIL3 - 1) == n;
 }
 
 /* The string as json.loads decodes it; NULL with no error set when the Python path must
@@ -203,261 +168,142 @@ static PyObject *decode(const char *p, Py_ssize_t size, int escaped)
     return result;
 }
 
-static int truthy_attr(PyObject *obj, PyObject *name)
+/* 1 when `text` is all whitespace (str.isspace, or empty), 0 if not, -1 error. */
+static int blank(PyObject *text)
 {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL)
+    if (PyUnicode_GetLength(text) == 0)
+        return 1;
+    PyObject *space = PyObject_CallMethodObjArgs(text, s_isspace, NULL);
+    if (space == NULL)
         return -1;
-    int result = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    return result;
+    int r = PyObject_IsTrue(space);
+    Py_DECREF(space);
+    return r;
 }
 
 static void lane_disarm(Lane *self)
 {
     self->armed = 0;
-    Py_CLEAR(self->a.conn);
-    Py_CLEAR(self->a.exchange);
-    Py_CLEAR(self->a.head);
-    Py_CLEAR(self->a.choice);
-    Py_CLEAR(self->a.guard);
-    Py_CLEAR(self->a.watch);
-    Py_CLEAR(self->a.write);
-    Py_CLEAR(self->a.flow);
-    Py_CLEAR(self->a.clock);
+    Py_CLEAR(self->head);
+    Py_CLEAR(self->tail);
+    for (Py_ssize_t k = 0; k < self->nkeys; k++)
+        Py_CLEAR(self->keys[k]);
+    self->nkeys = 0;
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->clock);
 }
 
-/* Whether the client's side takes a direct write now, as FastExchange.fed asks: 1, 0, -1. */
-static int writable(Armed *a)
+/* One payload: a token chunk of the shape, its key and (when needed) its text: 1, 0, -1. */
+static int token_at(Lane *self, const char *q, Py_ssize_t size, Token *t, int need_visible)
 {
-    PyObject *ex = a->exchange;
-    int r;
-    if ((r = truthy_attr(ex, s_ended)) != 0 || (r = truthy_attr(ex, s_finished)) != 0)
-        return r < 0 ? -1 : 0;
-    PyObject *head_out = PyObject_GetAttr(ex, s_head_out);
-    if (head_out == NULL)
+    char *head, *tail;
+    Py_ssize_t hlen, tlen;
+    if (PyBytes_AsStringAndSize(self->head, &head, &hlen) < 0
+        || PyBytes_AsStringAndSize(self->tail, &tail, &tlen) < 0)
         return -1;
-    r = head_out == Py_None;
-    Py_DECREF(head_out);
-    if (!r)
+    if (size < hlen || memcmp(q, head, (size_t)hlen) != 0)
         return 0;
-    if ((r = truthy_attr(ex, s_pending)) != 0 || (r = truthy_attr(a->flow, s_write_paused)) != 0)
-        return r < 0 ? -1 : 0;
+    Py_ssize_t i = hlen, k;
+    for (k = 0; k < self->nkeys; k++) {
+        char *key;
+        Py_ssize_t klen;
+        if (PyBytes_AsStringAndSize(self->keys[k], &key, &klen) < 0)
+            return -1;
+        if (at(q, size, i, key, klen)) {
+            i += klen;
+            break;
+        }
+    }
+    if (k == self->nkeys || !self->allowed[k])
+        return 0;
+    int escaped, high;
+    Py_ssize_t end = string_end(q, size, i, &escaped, &high);
+    if (end < 0 || size - end - 1 != tlen || memcmp(q + end + 1, tail, (size_t)tlen) != 0)
+        return 0;
+    t->key = k;
+    t->text = NULL;
+    t->chars = 0;
+    if (self->keep_texts || (need_visible && self->visible[k])) {
+        if ((t->text = decode(q + i, end - i, escaped)) == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        t->chars = PyUnicode_GetLength(t->text);
+    } else if (high) {
+        /* not kept and not looked at: still valid UTF-8, as the Python path requires (ASCII
+         * with JSON's escapes always is) */
+        PyObject *text = decode(q + i, end - i, escaped);
+        if (text == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        Py_DECREF(text);
+    }
     return 1;
 }
 
-/* ResponseGuard.add_token's effect for a token the detector takes without a check: 1 done,
- * 0 the guard itself must take it, -1 error. */
-static int guard_token(Armed *a, Token *t)
-{
-    PyObject *watch = a->watch, *loop, *value;
-    if ((loop = PyObject_GetAttr(watch, s_loop)) == NULL)
-        return -1;
-    int watched = loop == Py_None;
-    Py_DECREF(loop);
-    Py_ssize_t length = PyUnicode_GetLength(t->text);
-    PyObject *detector = NULL, *fresh = NULL, *pieces = NULL;
-    Py_ssize_t now = 0;
-    if (watched && length > 0) {
-        PyObject *channel = PyObject_GetAttr(watch, s_channel);
-        if (channel == NULL)
-            return -1;
-        int same = PyObject_RichCompareBool(channel, t->content ? s_content : s_reasoning, Py_EQ);
-        Py_DECREF(channel);
-        if (same <= 0)
-            return same;
-        if ((detector = PyObject_GetAttr(watch, s_detector)) == NULL)
-            return -1;
-        if ((fresh = PyObject_GetAttr(detector, s_fresh)) == NULL)
-            goto fail;
-        now = PyLong_AsSsize_t(fresh);
-        Py_CLEAR(fresh);
-        if (now == -1 && PyErr_Occurred())
-            goto fail;
-        if (now + length >= a->check_every) {  /* the detector checks now: the guard's own */
-            Py_DECREF(detector);
-            return 0;
-        }
-    }
-    PyObject *tokens = PyObject_GetAttr(watch, s_tokens);
-    if (tokens == NULL)
-        goto fail;
-    Py_ssize_t count = PyLong_AsSsize_t(tokens);
-    Py_DECREF(tokens);
-    if (count == -1 && PyErr_Occurred())
-        goto fail;
-    if ((value = PyLong_FromSsize_t(count + 1)) == NULL)
-        goto fail;
-    int r = PyObject_SetAttr(watch, s_tokens, value);
-    Py_DECREF(value);
-    if (r < 0)
-        goto fail;
-    if (detector == NULL)
-        return 1;
-    if ((pieces = PyObject_GetAttr(detector, s_pieces)) == NULL)
-        goto fail;
-    r = PyList_Append(pieces, t->text);
-    Py_CLEAR(pieces);
-    if (r < 0)
-        goto fail;
-    if ((value = PyLong_FromSsize_t(now + length)) == NULL)
-        goto fail;
-    r = PyObject_SetAttr(detector, s_fresh, value);
-    Py_DECREF(value);
-    Py_DECREF(detector);
-    return r < 0 ? -1 : 1;
-fail:
-    Py_XDECREF(detector);
-    return -1;
-}
-
-/* Whether each token must go to the guard itself (a confirmed loop under action stop: the
- * stop decision is taken on every token there). */
-static int guard_each(Armed *a)
-{
-    int r = truthy_attr(a->guard, s_looping);
-    if (r <= 0)
-        return r;
-    PyObject *action = PyObject_GetAttr(a->guard, s_action);
-    if (action == NULL)
-        return -1;
-    r = PyObject_RichCompareBool(action, s_stop, Py_EQ);
-    Py_DECREF(action);
-    return r;
-}
-
-/* An armed read: 1 done here, 0 for the Python path (nothing was changed), -1 error. */
-static int take_armed(Lane *self, Armed *a, PyObject *data);
-
+/* An armed read: 1 taken here, 0 for the Python path (nothing was changed), -1 error. */
 static int take(Lane *self, PyObject *data)
-{
-    /* The Python code this calls (the guard, the transport's write) may disarm the lane,
-     * which drops its references: the read works on its own copy, held for the read. */
-    Armed a = self->a;
-    PyObject *held[] = ARMED_OBJECTS(&a);
-    const int n = (int)(sizeof held / sizeof held[0]);
-    for (int i = 0; i < n; i++)
-        Py_INCREF(held[i]);
-    int result = take_armed(self, &a, data);
-    for (int i = 0; i < n; i++)
-        Py_DECREF(held[i]);
-    return result;
-}
-
-static int take_armed(Lane *self, Armed *a, PyObject *data)
 {
     char *p;
     Py_ssize_t n;
     if (PyBytes_AsStringAndSize(data, &p, &n) < 0)
         return -1;
-    int r = writable(a);
-    if (r <= 0)
-        return r;
-    char *head;
-    Py_ssize_t hlen;
-    if (PyBytes_AsStringAndSize(a->head, &head, &hlen) < 0)
-        return -1;
     Token tokens[MAX_FRAMES];
-    int count = 0, result = 0;
-    Py_ssize_t pos = 0;
+    int count = 0, result = 0, visible = 0;
+    Py_ssize_t pos = 0, chars = 0;
     while (pos < n) {
         Token *t = &tokens[count];
-        Py_ssize_t s, e;
-        int escaped;
         if (count == MAX_FRAMES || !frame_at(p, n, &pos, &t->start, &t->size))
             goto done;
-        const char *q = p + t->start;
-        if (t->size < hlen || memcmp(q, head, (size_t)hlen) != 0
-            || !token_at(q, t->size, hlen, &t->content, &s, &e, &escaped))
-            goto done;
-        if ((t->text = decode(q + s, e - s, escaped)) == NULL) {
-            result = PyErr_Occurred() ? -1 : 0;
+        int r = token_at(self, p + t->start, t->size, t, !self->saw_visible && !visible);
+        if (r <= 0) {
+            result = r;
             goto done;
         }
         count++;
+        chars += t->chars;
+        if (self->keep_texts && chars >= self->budget)
+            goto done;  /* the guard's detector looks at this one: the Python path */
+        if (t->text != NULL && self->visible[t->key] && !self->saw_visible && !visible) {
+            r = blank(t->text);
+            if (r < 0)
+                goto error;
+            visible = !r;
+        }
     }
     if (count == 0)
         goto done;
-    /* Connection.data_received's own bookkeeping, then each token as the Python path does it */
-    PyObject *now = PyObject_CallFunctionObjArgs(a->clock, NULL);
+    /* the read is the stream's token chunks only: its effects kept, as the Python path has
+     * them before it writes, then the read written as it came. The write may call back into
+     * Python that ends the exchange (collecting what is kept here) and disarms the lane: the
+     * lane holds the callable it calls, and touches nothing of its shape after the call. */
+    PyObject *now = PyObject_CallFunctionObjArgs(self->clock, NULL);
     if (now == NULL)
         goto error;
-    r = PyObject_SetAttr(a->conn, s_last_read, now);
+    double when = PyFloat_AsDouble(now);
     Py_DECREF(now);
-    if (r < 0 || PyObject_SetAttr(a->conn, s_got_bytes, Py_True) < 0)
+    if (when == -1.0 && PyErr_Occurred())
         goto error;
-    int each = a->guard != Py_None ? guard_each(a) : 0;
-    if (each < 0)
-        goto error;
-    for (int i = 0; i < count; i++) {
-        Token *t = &tokens[i];
-        if (t->content) {
-            r = truthy_attr(a->choice, s_visible);
-            if (r < 0)
+    if (self->keep_texts) {
+        for (int i = 0; i < count; i++)
+            if (PyList_Append(self->texts, tokens[i].text) < 0)
                 goto error;
-            if (!r && PyUnicode_GetLength(t->text) > 0) {
-                PyObject *space = PyObject_CallMethodObjArgs(t->text, s_isspace, NULL);
-                if (space == NULL)
-                    goto error;
-                r = PyObject_IsTrue(space);
-                Py_DECREF(space);
-                if (r < 0 || (!r && PyObject_SetAttr(a->choice, s_visible, Py_True) < 0))
-                    goto error;
-            }
-        }
-        if (a->guard == Py_None)
-            continue;
-        r = each ? 0 : guard_token(a, t);
-        if (r < 0)
-            goto error;
-        if (r)
-            continue;
-        PyObject *index = PyLong_FromLong(0);
-        PyObject *stopped = index ? PyObject_CallMethodObjArgs(
-            a->guard, s_add_token, index, t->content ? s_content : s_reasoning, t->text, NULL) : NULL;
-        Py_XDECREF(index);
-        if (stopped == NULL)
-            goto error;
-        r = PyObject_IsTrue(stopped);
-        Py_DECREF(stopped);
-        if (r < 0)
-            goto error;
-        if (r) {  /* the guard stops the stream at this token: Exchange.body's _emit, _finish */
-            PyObject *ex = a->exchange, *batch = PyObject_GetAttr(ex, s_batch);
-            if (batch == NULL)
-                goto error;
-            for (int k = 0; k <= i; k++) {
-                PyObject *piece = PyBytes_FromStringAndSize(p + tokens[k].start, tokens[k].size);
-                r = piece ? PyList_Append(batch, piece) : -1;
-                Py_XDECREF(piece);
-                if (r < 0)
-                    break;
-            }
-            Py_DECREF(batch);
-            if (r < 0)
-                goto error;
-            Py_INCREF(ex);
-            lane_disarm(self);
-            PyObject *done = PyObject_CallMethodObjArgs(ex, s_finish, Py_None, NULL);
-            Py_DECREF(ex);
-            Py_XDECREF(done);
-            result = done == NULL ? -1 : 1;
-            goto done;
-        }
-        if (!each && (each = guard_each(a)) < 0)
-            goto error;
+        self->budget -= chars;
     }
-    PyObject *written = PyObject_CallFunctionObjArgs(a->write, data, NULL);
-    Py_XDECREF(written);
-    result = written == NULL ? -1 : 1;
-    if (each && result == 1)
-        lane_disarm(self);  /* the Python path decides each token from here */
+    self->last_read = when;
+    self->tokens += count;
+    self->saw_visible |= visible;
+    PyObject *write = self->write;
+    Py_INCREF(write);
+    PyObject *written = PyObject_CallFunctionObjArgs(write, data, NULL);
+    Py_DECREF(write);
+    if (written == NULL)
+        goto error;
+    Py_DECREF(written);
+    result = 1;
     goto done;
 error:
     result = -1;
 done:
     for (int i = 0; i < count; i++)
-        Py_DECREF(tokens[i].text);
+        Py_XDECREF(tokens[i].text);
     return result;
 }
 
@@ -472,7 +318,10 @@ static PyObject *Lane_call(PyObject *op, PyObject *args, PyObject *kwargs)
     if (!PyArg_UnpackTuple(args, "Lane", 1, 1, &data))
         return NULL;
     if (self->armed && PyBytes_Check(data)) {
+        /* the write may call back into Python that disarms the lane: hold the lane */
+        Py_INCREF(op);
         int r = take(self, data);
+        Py_DECREF(op);
         if (r > 0) {
             taken++;
             Py_RETURN_NONE;
@@ -493,41 +342,66 @@ static PyObject *Lane_call(PyObject *op, PyObject *args, PyObject *kwargs)
 static PyObject *Lane_arm(PyObject *op, PyObject *args)
 {
     Lane *self = (Lane *)op;
-    PyObject *conn, *exchange, *head, *choice, *guard, *watch, *transport;
-    Py_ssize_t check_every;
-    if (!PyArg_ParseTuple(args, "OOSOOOn:arm", &conn, &exchange, &head, &choice, &guard,
-                          &watch, &check_every))
+    PyObject *head, *keys, *tail, *channel, *write, *clock;
+    Py_ssize_t budget;
+    if (!PyArg_ParseTuple(args, "SOSOnOO:arm", &head, &keys, &tail, &channel, &budget, &write,
+                          &clock))
         return NULL;
-    if (guard != Py_None && watch == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "a guard needs choice 0's watch");
+    if (self->tokens != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "drain the lane before arming it again");
+        return NULL;
+    }
+    if (!PyTuple_Check(keys) || PyTuple_Size(keys) < 1 || PyTuple_Size(keys) > MAX_KEYS) {
+        PyErr_SetString(PyExc_ValueError, "keys: a tuple of 1 to 4 (bytes, str, bool)");
+        return NULL;
+    }
+    if (channel != Py_None && !PyUnicode_Check(channel)) {
+        PyErr_SetString(PyExc_TypeError, "channel must be a str or None");
+        return NULL;
+    }
+    if (!PyCallable_Check(write) || !PyCallable_Check(clock)) {
+        PyErr_SetString(PyExc_TypeError, "write and clock must be callable");
         return NULL;
     }
     lane_disarm(self);
-    if ((transport = PyObject_GetAttr(exchange, s_transport)) == NULL)
-        return NULL;
-    self->a.write = PyObject_GetAttr(transport, s_write);
-    Py_DECREF(transport);
-    if (self->a.write == NULL
-        || (self->a.flow = PyObject_GetAttr(exchange, s_flow)) == NULL
-        || (self->a.clock = PyObject_GetAttr(conn, s_clock)) == NULL) {
-        lane_disarm(self);
-        return NULL;
+    Py_ssize_t nkeys = PyTuple_Size(keys);
+    for (Py_ssize_t k = 0; k < nkeys; k++) {
+        PyObject *item = PyTuple_GetItem(keys, k);
+        PyObject *key, *name, *visible;
+        if (item == NULL || !PyArg_ParseTuple(item, "SUO:key", &key, &name, &visible))
+            goto fail;
+        int allowed = 1;
+        if (channel != Py_None) {
+            allowed = PyUnicode_Compare(name, channel) == 0;
+            if (PyErr_Occurred())
+                goto fail;
+        }
+        int shown = PyObject_IsTrue(visible);
+        if (shown < 0)
+            goto fail;
+        Py_INCREF(key);
+        self->keys[k] = key;
+        self->visible[k] = shown;
+        self->allowed[k] = allowed;
+        self->nkeys = k + 1;
     }
-    Py_INCREF(conn);
-    self->a.conn = conn;
-    Py_INCREF(exchange);
-    self->a.exchange = exchange;
+    self->keep_texts = channel != Py_None;
+    if (self->keep_texts && self->texts == NULL && (self->texts = PyList_New(0)) == NULL)
+        goto fail;
     Py_INCREF(head);
-    self->a.head = head;
-    Py_INCREF(choice);
-    self->a.choice = choice;
-    Py_INCREF(guard);
-    self->a.guard = guard;
-    Py_INCREF(watch);
-    self->a.watch = watch;
-    self->a.check_every = check_every;
+    self->head = head;
+    Py_INCREF(tail);
+    self->tail = tail;
+    Py_INCREF(write);
+    self->write = write;
+    Py_INCREF(clock);
+    self->clock = clock;
+    self->budget = budget;
     self->armed = 1;
     Py_RETURN_NONE;
+fail:
+    lane_disarm(self);
+    return NULL;
 }
 
 static PyObject *Lane_disarm(PyObject *op, PyObject *Py_UNUSED(ignored))
@@ -536,9 +410,34 @@ static PyObject *Lane_disarm(PyObject *op, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+static PyObject *Lane_drain(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    Lane *self = (Lane *)op;
+    if (self->tokens == 0)
+        Py_RETURN_NONE;
+    PyObject *texts = self->texts;
+    if (texts == NULL && (texts = PyList_New(0)) == NULL)
+        return NULL;
+    self->texts = NULL;
+    if (self->keep_texts && (self->texts = PyList_New(0)) == NULL) {
+        Py_DECREF(texts);
+        return NULL;
+    }
+    PyObject *result = Py_BuildValue("nNN", self->tokens, PyBool_FromLong(self->saw_visible),
+                                     texts);
+    self->tokens = 0;
+    self->saw_visible = 0;
+    return result;
+}
+
 static PyObject *Lane_get_armed(PyObject *op, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(((Lane *)op)->armed);
+}
+
+static PyObject *Lane_get_last_read(PyObject *op, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(((Lane *)op)->last_read);
 }
 
 static PyObject *Lane_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
@@ -565,15 +464,13 @@ static int Lane_traverse(PyObject *op, visitproc visit, void *arg)
     Lane *self = (Lane *)op;
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(self->fallback);
-    Py_VISIT(self->a.conn);
-    Py_VISIT(self->a.exchange);
-    Py_VISIT(self->a.head);
-    Py_VISIT(self->a.choice);
-    Py_VISIT(self->a.guard);
-    Py_VISIT(self->a.watch);
-    Py_VISIT(self->a.write);
-    Py_VISIT(self->a.flow);
-    Py_VISIT(self->a.clock);
+    Py_VISIT(self->head);
+    Py_VISIT(self->tail);
+    for (Py_ssize_t k = 0; k < self->nkeys; k++)
+        Py_VISIT(self->keys[k]);
+    Py_VISIT(self->write);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->texts);
     return 0;
 }
 
@@ -582,6 +479,7 @@ static int Lane_clear(PyObject *op)
     Lane *self = (Lane *)op;
     lane_disarm(self);
     Py_CLEAR(self->fallback);
+    Py_CLEAR(self->texts);
     return 0;
 }
 
@@ -597,14 +495,18 @@ static void Lane_dealloc(PyObject *op)
 
 static PyMethodDef Lane_methods[] = {
     {"arm", Lane_arm, METH_VARARGS,
-     "arm(conn, exchange, head, choice, guard, watch, check_every): take this stream's "
-     "token chunks until a read that is not only token chunks (or the exchange disarms it)."},
+     "arm(head, keys, tail, channel, budget, write, clock): take this shape's token chunks "
+     "until a read that is not only token chunks (or disarm)."},
     {"disarm", Lane_disarm, METH_NOARGS, "Every read to the Python path until armed again."},
+    {"drain", Lane_drain, METH_NOARGS,
+     "drain(): (token chunks, whether one had visible text, the texts kept) taken since "
+     "the last drain, or None."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Lane_getset[] = {
     {"armed", Lane_get_armed, NULL, "Whether token chunks are taken here.", NULL},
+    {"last_read", Lane_get_last_read, NULL, "The loop's time of the last read taken here.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -666,28 +568,10 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int intern(PyObject **slot, const char *text)
-{
-    *slot = PyUnicode_InternFromString(text);
-    return *slot == NULL ? -1 : 0;
-}
-
 static int lane_exec(PyObject *module)
 {
-    if (intern(&s_ended, "ended") || intern(&s_finished, "finished")
-        || intern(&s_head_out, "head_out") || intern(&s_pending, "pending")
-        || intern(&s_write_paused, "write_paused") || intern(&s_batch, "batch")
-        || intern(&s_finish, "_finish") || intern(&s_got_bytes, "got_bytes")
-        || intern(&s_last_read, "last_read") || intern(&s_visible, "visible")
-        || intern(&s_loop, "loop") || intern(&s_channel, "channel")
-        || intern(&s_tokens, "tokens") || intern(&s_detector, "detector")
-        || intern(&s_fresh, "fresh") || intern(&s_pieces, "pieces")
-        || intern(&s_add_token, "add_token") || intern(&s_looping, "looping")
-        || intern(&s_action, "action") || intern(&s_stop, "stop")
-        || intern(&s_content, "content") || intern(&s_reasoning, "reasoning")
-        || intern(&s_isspace, "isspace") || intern(&s_transport, "transport")
-        || intern(&s_flow, "flow") || intern(&s_write, "write") || intern(&s_clock, "clock")
-        || intern(&s_quote, "\""))
+    if ((s_isspace = PyUnicode_InternFromString("isspace")) == NULL
+        || (s_quote = PyUnicode_InternFromString("\"")) == NULL)
         return -1;
     PyObject *json = PyImport_ImportModule("_json");
     if (json != NULL) {

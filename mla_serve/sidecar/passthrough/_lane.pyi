@@ -1,26 +1,38 @@
-"""The C lane (_lane.c): a connection's data_received that takes token chunks in C."""
+"""The C lane (_lane.c): a connection's data_received that takes token chunks in C.
+
+It works on its own object only: the shape it was armed with, what it took since it was
+last drained, and the two callables it was given (the client transport's `write`, the
+event loop's clock).
+"""
 
 from collections.abc import Callable
-from typing import Any
 
 MAX_FRAMES: int
 
 class Lane:
     armed: bool
-    def __init__(self, fallback: Callable[[bytes], None]) -> None: ...
+    last_read: float  # the loop's time of the last read taken here (0.0 before any)
+    def __init__(self, fallback: Callable[[bytes], object]) -> None: ...
     def __call__(self, data: bytes) -> None: ...
     def arm(
         self,
-        conn: Any,
-        exchange: Any,
         head: bytes,
-        choice: Any,
-        guard: Any,
-        watch: Any,
-        check_every: int,
+        keys: tuple[tuple[bytes, str, bool], ...],
+        tail: bytes,
+        channel: str | None,
+        budget: int,
+        write: Callable[[bytes], object],
+        clock: Callable[[], float],
         /,
-    ) -> None: ...
+    ) -> None:
+        """Take reads of token chunks of the shape `head`, one of `keys` (its bytes through the
+        string's opening quote, its channel, whether its text is visible content), a JSON
+        string, `tail`. `channel`: when not None, only that channel's tokens, their texts
+        kept, at most `budget` characters of them; `write` each read taken as it came."""
     def disarm(self) -> None: ...
+    def drain(self) -> tuple[int, bool, list[str]] | None:
+        """What was taken since the lane was armed or last drained: (token chunks, whether one
+        had visible text, the texts kept); None when nothing was."""
 
 def frames(data: bytes, /) -> list[int] | None: ...
 def taken() -> int: ...

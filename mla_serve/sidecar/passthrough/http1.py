@@ -34,12 +34,17 @@ def response_head_size(reason: int, fields: Fields) -> int:
 
 
 def head_refusal(
-    method: bytes, target: bytes, version: str, fields: list[tuple[bytes, bytes]], max_bytes: int
+    method: bytes,
+    target: bytes,
+    version: str,
+    fields: list[tuple[bytes, bytes]],
+    max_bytes: int,
+    max_fields: int,
 ) -> tuple[int, str] | None:
     """Why a request whose head is complete is not served, as (status, message); None when
     it is. HTTP/1.0 and HTTP/1.1 only (505); no transfer coding but `chunked` alone (501,
     RFC 9112 section 6.1: a body in `gzip, chunked` cannot pass as plain bytes); request
-    line and headers of at most `max_bytes` (431)."""
+    line and headers of at most `max_bytes`, at most `max_fields` headers (431)."""
     if version not in VERSIONS:
         return 505, f"HTTP/{version} is not supported: the sidecar serves HTTP/1.0 and HTTP/1.1"
     codings: list[bytes] = []
@@ -51,4 +56,6 @@ def head_refusal(
         return 501, f"Transfer-Encoding {named!r} is not supported: only chunked"
     if request_head_size(method, target, fields) > max_bytes:
         return 431, f"request line and headers over {max_bytes} bytes"
+    if len(fields) > max_fields:
+        return 431, f"more than {max_fields} request headers"
     return None

@@ -1,14 +1,18 @@
-"""A keep-alive HTTP/1.1 client to vLLM on a bare asyncio Protocol (httptools' parser).
+"""The pass-through's one client to vLLM: keep-alive HTTP/1.1 on a bare asyncio Protocol.
 
-The pass-through's chat and completion requests go through here when httptools is
-installed (vLLM's image has it: uvicorn[standard]) and vLLM's URL is plain http. Each
-response is handed to a `Sink` from the connection's own callbacks: the status and headers
-once, then every piece of the body as the parser frees it from the transfer coding, then
-the end, or why it broke off. No stream reader, no task switch per read: whoever consumes
-the body (proxy.Exchange) does it inside `data_received`. Where the lane is built
-(`_lane.c`, a C extension; the image always has it), `data_received` is a `_lane.Lane`: once
-the consumer arms it (fast.FastExchange.may_arm), a read of token chunks only is done in C, with
-the same effects; every other read comes to the Python method here.
+Every request the pass-through forwards goes through here (httptools' response parser; TLS
+when vLLM's URL is https://; the URL's path, if any, in front of every request's). Each
+response is handed to its `Sink` (the exchange, exchange.py) from the connection's own
+callbacks: the status and headers once, then every piece of the body as the parser frees it
+from the transfer coding, then the end, or why it broke off. No stream reader, no task
+switch per read: the exchange does its work inside `data_received`. Where the C lane is
+built (lane.py), `data_received` is a `Lane`: armed by the exchange for a stream's token
+chunks, it takes whole reads of them in C; every other read comes to the Python method here,
+which first hands the exchange what the lane took (`Sink.took`).
+
+Bounds on what vLLM sends: a response head of at most MAX_HEAD_BYTES, and after the head at
+most as much without a byte of body (chunk framing, trailers, which are dropped); past either
+the response is refused (`lost`, not retryable) and the connection dropped.
 
 Connections are kept for reuse after a complete response that allows it, for at most
 `keepalive` seconds idle (uvicorn, vLLM's server, closes idle ones after 5 s). A request
@@ -19,32 +23,16 @@ back is reported as `retryable`: the server closed it idle, the request was neve
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+import ssl
+from typing import Protocol
 from urllib.parse import urlsplit
 
-from mla_serve.sidecar.passthrough import http1
+import httptools
 
-try:
-    import httptools
-except ImportError:  # not in every install: the pass-through then uses aiohttp alone
-    httptools = None  # type: ignore[assignment]
-
-AVAILABLE = httptools is not None
-
-try:
-    from mla_serve.sidecar.passthrough import _lane
-except ImportError:  # a build without a C compiler: every read in Python, the same effects
-    _lane = None  # type: ignore[assignment]
-
-LANE_BUILT = _lane is not None
+from mla_serve.sidecar.passthrough import http1, lane
 
 Headers = list[tuple[bytes, bytes]]
-
-
-def lane_reads() -> int:
-    """Reads of vLLM's sockets done in C so far (every connection of this process)."""
-    return _lane.taken() if _lane is not None else 0
-
+Taken = tuple[int, bool, list[str]]  # what the lane took: token chunks, visible, texts
 
 # What vLLM may send before its response's body: status line and headers, in bytes (Envoy's
 # default header limit is 60 KiB; aiohttp's 8 KiB a line), counted on the parsed fields once
@@ -62,6 +50,7 @@ class Sink(Protocol):
     def fed(self) -> None: ...  # after the body pieces of one read: a place to batch writes
     def end(self) -> None: ...
     def may_arm(self, conn: Connection) -> None: ...  # the parser is between two chunks
+    def took(self, taken: Taken) -> None: ...  # what the lane took since it was armed
     def lost(self, why: str, retryable: bool) -> None: ...
 
 
@@ -89,11 +78,11 @@ class Connection(asyncio.Protocol):
         self.clock = pool.loop.time
         self.last_read = 0.0
         self.sizes: list[int] = []  # the sizes of the body pieces the parser gave this read
-        self.lane: _lane.Lane | None = None
-        if pool.lane and _lane is not None:
+        self.lane: lane.Lane | None = None
+        if pool.lane:
             # asyncio and uvloop call the protocol's data_received: the lane's, set before
             # the transport exists (uvloop looks it up once, at connection_made).
-            self.lane = _lane.Lane(self.data_received)  # the method: the lane's fallback
+            self.lane = lane.Lane(self.data_received)  # the method: the lane's fallback
             self.data_received = self.lane  # type: ignore[method-assign]
 
     # -- used by the consumer ------------------------------------------------------------
@@ -106,33 +95,45 @@ class Connection(asyncio.Protocol):
         self.in_body = False
         self.head_bytes = self.reason = self.framing = 0
         self.head_done = False
-        self.last_read = self.pool.loop.time()
+        self.last_read = self.clock()
         self.transport.write(payload)
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
             self.paused = True
+            self.disarm()
             self.transport.pause_reading()
 
     def resume(self) -> None:
         if self.paused and self.transport is not None:
             self.paused = False
-            self.last_read = self.pool.loop.time()
+            self.last_read = self.clock()
             if not self.closed:
                 self.transport.resume_reading()
 
+    def idle_since(self) -> float:
+        """The time of the last read of the response, by Python or by the lane."""
+        last = self.last_read
+        if self.lane is not None:
+            return max(last, self.lane.last_read)
+        return last
+
     def disarm(self) -> None:
-        """Every read to the Python path (a new consumer, or the end of one)."""
+        """Every read to the Python path (a new consumer, the end of one, back-pressure)."""
         if self.lane is not None:
             self.lane.disarm()
 
-    def arm(self, *args: Any) -> None:
-        """The lane takes the consumer's token chunks (fast.FastExchange.may_arm says which)."""
-        assert self.lane is not None
-        self.lane.arm(self, *args)
+    def drain(self) -> None:
+        """Hand the consumer what the lane took since it was armed (nothing when it took
+        nothing): before a read the Python path handles, and when the response ends."""
+        if self.lane is not None:
+            taken = self.lane.drain()
+            if taken is not None and self.sink is not None:
+                self.sink.took(taken)
 
     def abort(self) -> None:
         """Drop the connection (vLLM aborts a request whose client went away)."""
+        self.drain()
         self.disarm()
         self.sink = None
         self.closed = True
@@ -155,6 +156,7 @@ class Connection(asyncio.Protocol):
         if self.sink is None:  # bytes nobody asked for: the connection is unusable
             self.abort()
             return
+        self.drain()
         self.got_bytes = True
         self.last_read = self.clock()
         sink = self.sink
@@ -185,7 +187,7 @@ class Connection(asyncio.Protocol):
             and head_done
             and self.sizes
             and self.sink is sink
-            and _lane.frames(data) == self.sizes
+            and lane.frames(data) == self.sizes
         ):
             sink.may_arm(self)
 
@@ -196,6 +198,7 @@ class Connection(asyncio.Protocol):
         sink.lost(why, False)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.drain()
         self.disarm()
         self.closed = True
         sink, self.sink = self.sink, None
@@ -258,17 +261,21 @@ class Pool:
     """Idle keep-alive connections to one vLLM, newest first."""
 
     def __init__(
-        self, url: str, connect_timeout: float, keepalive: float = 4.0, lane: bool | None = None
+        self, url: str, connect_timeout: float, keepalive: float = 4.0, lane_on: bool = False
     ) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http" or parts.path not in ("", "/") or parts.hostname is None:
-            raise ValueError(f"not a plain http:// origin: {url}")
+        if parts.scheme not in ("http", "https") or parts.hostname is None or parts.query:
+            raise ValueError(f"not an http(s):// URL of vLLM: {url}")
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.tls: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            self.tls = ssl.create_default_context()
+        self.port = parts.port or (443 if self.tls else 80)
         self.authority = parts.netloc.rpartition("@")[2].encode("latin-1")
+        self.prefix = parts.path.rstrip("/").encode("latin-1")  # before every request's path
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
-        self.lane = LANE_BUILT if lane is None else lane and LANE_BUILT  # token chunks in C
+        self.lane = lane_on and lane.BUILT  # token chunks in C
         self.idle: list[tuple[Connection, float]] = []
         self.loop = asyncio.get_running_loop()
 
@@ -283,15 +290,13 @@ class Pool:
             conn.abort()
         return None
 
-    async def get(self) -> Connection:
-        """A connection: an idle one, or a new one (OSError, TimeoutError on failure)."""
-        conn = self.take()
-        if conn is not None:
-            return conn
+    async def connect(self) -> Connection:
+        """A new connection (OSError, ssl.SSLError or TimeoutError on failure)."""
         async with asyncio.timeout(self.connect_timeout):
             _, conn = await self.loop.create_connection(
-                lambda: Connection(self), self.host, self.port
-            )
+                lambda: Connection(self), self.host, self.port, ssl=self.tls,
+                server_hostname=self.host if self.tls else None,
+            )  # fmt: skip
         return conn
 
     def put(self, conn: Connection) -> None:
