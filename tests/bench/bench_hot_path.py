@@ -1,7 +1,7 @@
-"""`make bench`: the pass-through's own Python work per chunk and per request (issue 19).
+"""`make bench`: the pass-through's own Python work per chunk and per request.
 
 In this process, no sockets: every stream vLLM 0.28.0, 0.29.0 and 0.33.0 sent on an H200
-(`tests/e2e/results/*/*/recorded_streams.json`) goes through the code the sidecar runs for a
+(`results/e2e/*/*/recorded_streams.json`) goes through the code the sidecar runs for a
 chat request without ASGI (mla_serve/sidecar/fast.py's FastExchange, the runaway guard in its
 default `observe` mode): the request side (the client's body taken, checked and made into
 the bytes for vLLM: `request_body`, `inspect`, `_request_bytes`), then the response side (the
@@ -39,8 +39,8 @@ from mla_serve.sidecar import fast, proxy, upstream
 from mla_serve.sidecar.loops import LoopGuard
 from mla_serve.sidecar.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
-from tests.bench.bench_replay import RECORDINGS
 from tests.bench.passthrough import replay
+from tests.bench.passthrough.replay import RECORDINGS
 from tests.hostile.wire import dechunk
 
 ROOT = Path(__file__).resolve().parents[2]

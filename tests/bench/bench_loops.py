@@ -1,4 +1,4 @@
-"""`make bench`: what the runaway guard (mla_serve/sidecar/loops.py) costs the sidecar (issue 15).
+"""`make bench`: what the runaway guard (mla_serve/sidecar/loops.py) costs the sidecar.
 
 1. The sidecar process: the same streamed load through a sidecar with `--loop-action off` and
    one with `--loop-action observe` (the default), in alternating rounds, against the fast
