@@ -1,6 +1,6 @@
 """Hatchling build hook: the sidecar's C lane (mla_serve/sidecar/passthrough/_lane.c), compiled.
 
-The lane does the sidecar's per-read work for token chunks in C (issue 19); without it every
+The lane does the sidecar's per-read work for token chunks in C; without it every
 read goes through the Python path, which has the same effects. It uses CPython's stable ABI
 (3.11), so one build serves every CPython from 3.11 on: the wheel is tagged
 `cp311-abi3-<platform>`, for the platform it was built on (the image builds it in its own

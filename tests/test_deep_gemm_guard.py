@@ -126,7 +126,7 @@ def test_a_wrapper_that_prefers_its_own_copy_is_not_refused(vllm_tree: Path, tmp
 
 @pytest.mark.parametrize("release", trees.RELEASES)
 def test_every_release_imports_a_separate_deep_gemm_first(release: str):
-    """What the guard is for: vLLM 0.27.1 to 0.33.0 all prefer a separately installed one."""
+    """What the guard is for: every supported release prefers a separately installed one."""
     resolution = deep_gemm.resolve(tree.locate(trees.pristine(release)), [])
     assert resolution.external_first
 

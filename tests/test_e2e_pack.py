@@ -1,6 +1,6 @@
 """`make e2e-pack`: its pruning of CUDA modules, its archives and carries, and their unpacking.
 
-The H200 run (tests/e2e/results) shows the pruned modules load and serve; this
+The H200 runs (results/e2e) show the pruned modules load and serve; this
 checks, on CPU, that pruning keeps every byte an sm_90 GPU loads and every byte
 outside the dropped payloads, and zeroes the payloads of other architectures (on a
 real module from vLLM 0.33.0's wheel). And that what the pack writes (segmented,

@@ -43,6 +43,7 @@ from mla_serve.sidecar.settings import Settings, SettingsError
 from tests import loop_corpus
 from tests.bench import bench_hot_path
 from tests.bench.bench_hot_path import frame
+from tests.bench.passthrough.replay import RECORDINGS
 from tests.hostile.wire import dechunk
 
 PATH = "/v1/chat/completions"
@@ -170,7 +171,7 @@ def cuts(events: list[bytes], how: str) -> list[bytes]:
     return [data[i : i + 97] for i in range(0, len(data), 97)]
 
 
-RECORDED = bench_hot_path.load("tests/e2e/results/*/*/recorded_streams.json")
+RECORDED = bench_hot_path.load(RECORDINGS)
 
 
 def test_the_recordings_are_there() -> None:

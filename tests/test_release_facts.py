@@ -133,3 +133,94 @@ def test_the_readme_says_what_make_dist_applies_to_the_default_release():
     else:
         assert "no backport" not in comment, f"{DEFAULT} carries {len(patches)} backports"
         assert f"{len(patches)} backport" in comment, f"say that {DEFAULT} carries {patches}"
+
+
+# ---- copies by hand -----------------------------------------------------------------------
+# A new release or a new default is an edit to catalog.toml; what else names the release by
+# hand is counted here, so the checklists in patches/README.md stay true.
+
+RELEASES = catalog.load().releases
+# The files that name the default release by hand, each held to the catalog above: the
+# catalog itself, the Dockerfile's ARG default, the chart's appVersion, and the README's
+# `make dist` line (test_the_readme_says_what_make_dist_applies_to_the_default_release).
+DEFAULT_BY_HAND = {
+    "patches/catalog.toml",
+    "docker/Dockerfile",
+    "helm/mla-serve/Chart.yaml",
+    "README.md",
+}
+# Not the project's own words or copies: vLLM's patch text, the generated hash locks (one per
+# release, `make lock`), the results of record (what ran, on which release), this file's
+# examples.
+NOT_COPIES = ("patches/vllm-", "docker/locks/", "results/", "tests/test_release_facts.py")
+PENDING_RANGES: dict[str, int] = {}  # files allowed a hand-written range (none: keep it so)
+
+
+def _texts() -> dict[str, str]:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    texts = {}
+    for name in listed.split("\0"):
+        path = ROOT / name
+        if not name or name.startswith(NOT_COPIES) or not path.is_file():
+            continue
+        try:
+            texts[name] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+    return texts
+
+
+def default_release_named(text: str, release: str) -> bool:
+    """Whether `text` names `release` as the default by hand: the catalog's `default = "X"`,
+    an ARG or argument default, the `-vllmX` of the appVersion and image tags, the README's
+    `make dist    # vLLM X's wheel`, or "(default: X)" in prose."""
+    r = re.escape(release)
+    return bool(
+        re.search(
+            rf"default\s*=\s*\"?{r}\b|VLLM_VERSION={r}\b|-vllm{r}\b|make dist\s+#\s*vLLM {r}'s"
+            rf"|\(default:? {r}\)|default \({r}\)",
+            text,
+        )
+    )
+
+
+def supported_ranges(text: str) -> list[str]:
+    """Each hand-written copy of the supported range (the catalog's first release to its last)."""
+    first, last = (re.escape(r) for r in (RELEASES[0], RELEASES[-1]))
+    dashes = "-\u2013\u2014"  # hyphen, en dash, em dash
+    joined = rf"\s*(?:[{dashes}]|\.\.\.?|\u2026|to|through|until)\s*(?:vLLM\s+)?"
+    return re.findall(rf"{first}{joined}{last}", text)
+
+
+def test_the_files_that_name_the_default_release_by_hand():
+    """A new default release is these files by hand (patches/README.md, "add a release"):
+    no golden, no doc, no script holds another copy (they say "the default release", read the
+    catalog, or use a placeholder such as the chart's `$TAG`)."""
+    named = {name for name, text in _texts().items() if default_release_named(text, DEFAULT)}
+    assert named == DEFAULT_BY_HAND
+
+
+def test_the_supported_range_is_stated_only_by_the_catalog():
+    """Say "every supported release" (and test it per release, as tests/test_vllm_facts.py
+    does) rather than copy `first-last`, which a new release leaves stale."""
+    copies = {name: supported_ranges(text) for name, text in _texts().items()}
+    over = {n: c for n, c in copies.items() if len(c) > PENDING_RANGES.get(n, 0)}
+    assert over == {}
+
+
+def test_the_patterns_find_the_copies_they_are_for():
+    assert default_release_named('default = "0.33.0"', "0.33.0")
+    assert default_release_named("ARG VLLM_VERSION=0.33.0", "0.33.0")
+    assert default_release_named("image: mla-serve:0.1.0-vllm0.33.0", "0.33.0")
+    assert default_release_named("make dist  # VLLM_VERSION=0.29.0 (default: 0.33.0)", "0.33.0")
+    assert default_release_named("make dist    # vLLM 0.33.0's wheel with its fix series", "0.33.0")
+    assert not default_release_named("vLLM 0.33.0's default NVFP4 MoE backend", "0.33.0")
+    assert not default_release_named("fetched from vLLM 0.33.0's wheel", "0.33.0")
+    first, last = RELEASES[0], RELEASES[-1]
+    for text in (f"{first} - {last}", f"{first}\u2013{last}", f"vLLM {first} to {last}",
+                 f"({first} through {last})", f"{first}-{last}"):  # fmt: skip
+        assert supported_ranges(text), text
+    assert supported_ranges(f"{first} to {RELEASES[-2]}") == []

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from mla_serve.sidecar.passthrough.classify import loads as _loads
+from tests.bench.passthrough.replay import RECORDINGS
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDED = sorted(glob.glob(str(ROOT / "tests/e2e/results/*/*/recorded_streams.json")))
+RECORDED = sorted(glob.glob(str(ROOT / RECORDINGS)))
 
 
 def outcome(decode: Any, data: bytes) -> tuple[str, Any]:

@@ -115,8 +115,7 @@ def test_log_is_read_incrementally_and_follows_rotation(tmp_path) -> None:
 
 def test_a_negative_capture_memory_is_read_as_vllm_logged_it() -> None:
     """vLLM logs the free-memory difference around the capture; it is negative when another
-    process on the GPU freed memory meanwhile (seen on the H200 with stacks sharing GPUs:
-    tests/e2e/results/h200x2/0.29.0-b200-tp1-pcp4-dcp4-patched)."""
+    process on the GPU freed memory meanwhile (seen on two H200s with stacks sharing the GPUs)."""
     line = (
         "(Worker_TP0_DCP0 pid=2341) INFO 11-30 14:15:06 [model_runner.py:960] "
         "Graph capturing finished in 10 secs, took -1.40 GiB"
@@ -128,8 +127,8 @@ def test_a_negative_capture_memory_is_read_as_vllm_logged_it() -> None:
 
 def test_interleaved_worker_lines_keep_each_rank_s_capture() -> None:
     """Two workers writing at once interleave: TP0's prefix, TP1's whole line, then TP0's
-    message alone (as vLLM 0.29.0 logged it on two H200s, tests/e2e/results/h200x2/
-    0.29.0-b200-tp1-pcp4-dcp4-patched/vllm.log). Each rank keeps its own figures."""
+    message alone (as vLLM 0.29.0 logged it on two H200s with TP2 x DCP2). Each rank keeps its
+    own figures."""
     text = (
         "(Worker_TP0_DCP0 pid=2684) (Worker_TP1_DCP1 pid=2685) INFO 11-30 16:13:30 "
         "[model_runner.py:960] Graph capturing finished in 8 secs, took -5.29 GiB\n"

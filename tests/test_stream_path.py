@@ -555,8 +555,10 @@ def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes],
 def _recorded() -> list[list[bytes]]:
     from pathlib import Path
 
+    from tests.bench.passthrough.replay import RECORDINGS
+
     streams = []
-    for path in sorted(Path(__file__).parent.glob("e2e/results/*/*/recorded_streams.json")):
+    for path in sorted(Path(__file__).parents[1].glob(RECORDINGS)):
         for recorded in json.loads(path.read_text())["streams"]:
             streams.append([text.encode() for _, text in recorded["chunks"]])
     return streams

@@ -1,7 +1,7 @@
 """Pristine vLLM release trees for tests, unpacked once from the real wheels.
 
 Wheels are cached in .cache/wheels and trees in .cache/trees (both git-ignored),
-so only the first run downloads (about 2.2 GB for the seven releases).
+so only the first run downloads (about 0.3 GB per release of the catalog).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _distribution(package: Path) -> str | None:
 
 def _imports_external_first(found: tree_.VllmTree) -> bool:
     """Whether the wrapper's `importlib.import_module("deep_gemm")` comes before its
-    `import_module("vllm.third_party.deep_gemm")` (vLLM 0.27.1 to 0.33.0: it does)."""
+    `import_module("vllm.third_party.deep_gemm")` (in every supported release it does)."""
     source = found.read(WRAPPER)
     if source is None:
         return False

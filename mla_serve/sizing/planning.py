@@ -22,7 +22,8 @@ from mla_serve.sizing.workspace import required_workspace_bytes
 GiB = 1 << 30
 
 DEFAULT_UTILIZATION = 0.92
-"""vLLM's `--gpu-memory-utilization` default (CacheConfig, 0.27.1 through 0.33.0)."""
+"""vLLM's `--gpu-memory-utilization` default (CacheConfig, in every supported release:
+tests/test_vllm_facts.py)."""
 
 DEFAULT_RESERVE_BYTES = 8 * GiB
 """Activation peak + CUDA graph pool + non-torch allocations; vLLM measures these."""

@@ -1,7 +1,7 @@
 """`make bench`: the pass-through's own Python work per chunk and per request.
 
 In this process, no sockets: every stream vLLM 0.28.0, 0.29.0 and 0.33.0 sent on an H200
-(`tests/e2e/results/*/*/recorded_streams.json`) goes through the code the sidecar runs for a
+(`results/e2e/*/*/recorded_streams.json`) goes through the code the sidecar runs for a
 chat request on its own front (passthrough/exchange.py's Exchange with a fronts.TransportFront,
 the runaway guard in its default `observe` mode): the request side (the client's body taken,
 checked and made into the bytes for vLLM, written on a pooled connection), then the response
@@ -49,8 +49,8 @@ from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
 from mla_serve.sidecar.passthrough.fronts import TransportFront
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
-from tests.bench.bench_replay import RECORDINGS
 from tests.bench.passthrough import replay
+from tests.bench.passthrough.replay import RECORDINGS
 from tests.hostile.wire import dechunk
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""`make bench`: the sidecar's OpenAI pass-through against direct, Envoy and LiteLLM (issue 4).
+"""`make bench`: the sidecar's OpenAI pass-through against direct, Envoy and LiteLLM.
 
 Everything is measured side by side in one run, against one fast stand-in of vLLM 0.33.0
 (passthrough/upstream.py) and one load generator in its own process (passthrough/loadgen.py):
@@ -664,7 +664,7 @@ def main() -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     load_start = wait_quiet(args.wait_quiet) if args.wait_quiet else load_before
     report: dict[str, Any] = {
-        "benchmark": "sidecar OpenAI pass-through vs direct, Envoy and LiteLLM (issue 4)",
+        "benchmark": "sidecar OpenAI pass-through vs direct, Envoy and LiteLLM",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {**machine(), "load_average_at_start": load_start},
         "versions": versions(args.bench_venv),

@@ -1,9 +1,9 @@
-"""`make bench`: the pass-through's cost on vLLM's REAL chunk bodies, replayed (issue 19).
+"""`make bench`: the pass-through's cost on vLLM's REAL chunk bodies, replayed.
 
 THESE ARE REPLAYED RECORDINGS ON THE CPU, NOT A LIVE ENGINE. The upstream
 (passthrough/replay.py) plays back the raw SSE bytes that real vLLM releases (0.28.0,
 0.29.0, 0.33.0) sent on an H200, as tests/e2e captured them in
-`tests/e2e/results/*/*/recorded_streams.json`: every read with its recorded offset and vLLM's
+`results/e2e/*/*/recorded_streams.json`: every read with its recorded offset and vLLM's
 headers. The client (passthrough/replay.py load, its own process) sends the recorded requests.
 
 Three paths side by side in one run, against one replay upstream: direct, through the sidecar
@@ -22,7 +22,7 @@ sidecar the usage recording less its usage-only event, since it asks vLLM for us
 classify); the sidecar's `mla_serve_completions_total` (its admin port's /metrics) grew by
 exactly the requests sent through it, each round.
 
-The live-engine targets of issue 19 (added TTFT p50 <= 1 ms, throughput >= 0.99 of direct and
+The live-engine targets (`make e2e-bench`: added TTFT p50 <= 1 ms, throughput >= 0.99 of direct and
 no lower than Envoy's, CPU no more than Envoy's) are evaluated on these figures and reported,
 not judged: a replay on a shared 2-core machine is not the engine. Exit 1 when a check fails
 (bytes, counting, a path that would not run). Results: --out (JSON) and a summary.
@@ -47,6 +47,7 @@ from typing import Any
 
 from tests.bench.passthrough import proxies
 from tests.bench.passthrough.procs import CpuMeter, Proc, wait_http
+from tests.bench.passthrough.replay import RECORDINGS
 from tests.e2e.bench import cpu_of
 from tests.http_server import free_port
 
@@ -54,7 +55,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # The replay server and client, as a module of the package `tests` (started in ROOT).
 REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
-RECORDINGS = "tests/e2e/results/*/*/recorded_streams.json"
 PATHS = ("direct", "sidecar", "envoy", "sidecar@base", "floor")
 PROXIES = ("sidecar", "envoy", "sidecar@base", "floor")
 SIDECARS = ("sidecar", "sidecar@base")
@@ -421,7 +421,7 @@ def checks(series: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def against_targets(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 19's live-engine targets, evaluated on the replay's medians (reported only)."""
+    """The live-engine targets, evaluated on the replay's medians (reported only)."""
     rows = []
     for entry in series:
         if entry["pace"] != "recorded":

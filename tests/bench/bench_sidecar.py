@@ -1,6 +1,6 @@
 """`make bench`: latency of the sidecar's /metrics and /readyz with vLLM healthy.
 
-Targets (issue 3): a /metrics scrape within 10 ms and /readyz within 5 ms. The
+Targets: a /metrics scrape within 10 ms and /readyz within 5 ms. The
 sidecar serves a 4-rank engine state and a verified manifest, as in a TP4 pod;
 vLLM is the stand-in of the tests. Figures are client-side latencies over
 keep-alive connections on 127.0.0.1: median and p99.

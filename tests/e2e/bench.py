@@ -1,6 +1,6 @@
-"""`make e2e-bench`: the sidecar's cost on a LIVE vLLM, side by side with Envoy (issue 19).
+"""`make e2e-bench`: the sidecar's cost on a LIVE vLLM, side by side with Envoy.
 
-    python -m tests.e2e.bench --store STORE --results DIR [--spec 0.33.0:tp1:patched]
+    python -m tests.e2e.bench --store STORE --results DIR [--spec RELEASE:tp1:patched]
     python -m tests.e2e.bench --upstream-url URL --results DIR --envoy BIN   # any server that
                                                # speaks vLLM's protocol (make test: a stand-in)
     python -m tests.e2e.bench table bench.json                                # the markdown
@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mla_serve.patching import catalog
 from tests.bench.passthrough.envoy import envoy_config
 from tests.e2e.model import DEEPSEEK_V32, MODELS, THINK_END, Tiny
 from tests.http_server import free_port
@@ -665,7 +666,7 @@ def versus_base(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 19's targets per concurrency, judged on the medians (the bands are beside them):
+    """The sidecar's targets per concurrency, judged on the medians (the bands are beside them):
     the sidecar's added TTFT p50 <= 1 ms, its throughput >= 0.99 of direct and >= Envoy's,
     its CPU per 1000 chunks and per request (pooled) <= Envoy's."""
     rows = []
@@ -832,7 +833,7 @@ def table(result: dict[str, Any]) -> str:
         + (" (near 1: the client may have set the pace)." if busiest > 0.8 else ".")
     )
     if result.get("targets"):
-        lines += ["", "Issue 19's targets (sidecar; medians over rounds, band = max - min, "
+        lines += ["", "Targets (sidecar; medians over rounds, band = max - min, "
                   "95 % interval of the median):", ""]  # fmt: skip
         lines += ["| c | TTFT p50 added ms (band; 95 % interval) | <= 1 ms | tok/s ratio "
                   "(Envoy's) | >= 0.99 | >= Envoy | CPU ms/1000 chunks sidecar vs Envoy | CPU "
@@ -1044,7 +1045,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--store", type=Path, help="run.sh's store (live mode)")
-    parser.add_argument("--spec", default="0.33.0:tp1:patched", help="release:layout:state")
+    parser.add_argument("--spec", default=f"{catalog.load().default}:tp1:patched",
+                        help="release:layout:state (default: %(default)s)")  # fmt: skip
     parser.add_argument("--upstream-url", help="a running server of vLLM's protocol instead")
     parser.add_argument(
         "--upstream-pid",

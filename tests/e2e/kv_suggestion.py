@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mla_serve.patching import catalog
 from tests.e2e.matrix import ROOT, prepare, site_paths
 from tests.e2e.model import DEEPSEEK_V32
 
@@ -91,7 +92,7 @@ def gap(figures: dict[str, Any]) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--store", type=Path, required=True)
-    parser.add_argument("--release", default="0.33.0")
+    parser.add_argument("--release", default=catalog.load().default, help="default: %(default)s")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

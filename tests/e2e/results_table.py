@@ -1,6 +1,6 @@
 """The results table of record: one row per stack under a results directory (summary.json).
 
-python -m tests.e2e.results_table tests/e2e/results/h200x2   # from the repository root
+python -m tests.e2e.results_table results/e2e/h200x2   # from the repository root
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 # The store (default $TMPDIR/mla-serve-e2e-store) outlives a run while the machine stays
 # warm, so carries of 64 MiB can travel in back-to-back runs. Results go to $OUT (one
 # archive and matrix.json, as a device run brings back at most 8 files) or
-# tests/e2e/results/run/. The scripts run as modules of the package `tests`
+# build/e2e-results/ (the runs of record are in results/e2e/ and results/bench/). The scripts run as modules of the package `tests`
 # (`python -m tests.…`) from the repository root, this script's working directory.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,8 +73,8 @@ if [ -f "$STORE/common/site/$LANE" ]; then
 else
   echo "run.sh: the carried mla-serve wheel has no C lane: the sidecar reads in Python" >&2
 fi
-RESULTS=tests/e2e/results/run
-[ "$verb" = bench ] && RESULTS=tests/e2e/results/bench
+RESULTS=build/e2e-results/run
+[ "$verb" = bench ] && RESULTS=build/e2e-results/bench
 [ -n "${OUT:-}" ] && RESULTS="${TMPDIR:-/tmp}/mla-serve-e2e-$verb"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD:$STORE/common/site"

@@ -1,4 +1,4 @@
-"""Summarize a GPU suite run into one JSON file (tests/gpu/results/summary.json).
+"""Summarize a GPU suite run into one JSON file (RESULTS/summary.json).
 
 python -m tests.gpu.report RESULTS   # from the repository root (tests/gpu/run.sh)
 """

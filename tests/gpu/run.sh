@@ -3,12 +3,13 @@
 # `make gpu-pack` made, patch copies with mla-serve itself, run the GPU suite and
 # upstream's own CUDA tests for the fixes and the GPU benchmarks on every tree, and write
 # the results (JUnit XML, upstream verdicts and bench JSON per tree, one summary JSON) to
-# $OUT or tests/gpu/results/. The scripts run as modules of the package `tests`
-# (`python -m tests.…`) from the repository root, this script's working directory.
+# $OUT or build/gpu-results/ (the runs of record are in results/gpu/). The scripts run as
+# modules of the package `tests` (`python -m tests.…`) from the repository root, this
+# script's working directory.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PACK=${1:-build/gpu-pack}
-RESULTS=${OUT:-tests/gpu/results}
+RESULTS=${OUT:-build/gpu-results}
 WORK=${TMPDIR:-/tmp}/mla-serve-gpu
 PYTHON=${PYTHON:-python3}
 [ -d "$PACK/trees" ] || { echo "no pack at $PACK: run 'make gpu-pack' first" >&2; exit 2; }

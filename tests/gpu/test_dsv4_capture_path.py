@@ -6,10 +6,10 @@ which vLLM turns on for DeepSeek-V4). A replayed step with an 8000-token cached 
 select the scored candidates; the first topk candidates mean the short-context shortcut
 was baked into the graph. Expected from 0.27.1's code (catalog, dsv4-indexer-capture-shortcut):
 no mode bakes it, pristine or patched. FULL-SHORT (a FULL graph captured on short metadata,
-what vllm#52492 fixed) is the control: it must show the bug, so the harness can tell. The H200
-run of 2026-11-30 (tests/gpu/results/h200x2-0.27.1) bore this out with the backport still in
-the series (the control then scored on the patched tree); the catalog's verdict followed and
-the backport was dropped, so the control now shows the bug on both trees.
+what vllm#52492 fixed) is the control: it must show the bug, so the harness can tell. The run
+of record (results/gpu/h200) bears this out: every mode scored, the control selected the first
+candidates, on the pristine and the patched tree alike (0.27.1 carries no backport of the fix:
+the catalog's verdict).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def test_indexer_on_vllms_capture_path_selects_scored_candidates(tree, mode):
 
 
 def test_control_full_graph_on_short_metadata_shows_the_bug(tree):
-    """No backport on 0.27.1 (the catalog's verdict, from this file's run of 2026-11-30,
-    tests/gpu/results/h200x2-0.27.1): the control shows the shortcut on both trees."""
+    """No backport on 0.27.1 (the catalog's verdict, from this file's runs on an H200,
+    results/gpu/h200): the control shows the shortcut on both trees."""
     result = _run("FULL-SHORT", tree)
     print(json.dumps(result))
     assert result["selects"] == "first-topk", result

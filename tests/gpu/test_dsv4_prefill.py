@@ -40,8 +40,8 @@ def launches(output: str) -> list[int]:
 
 
 def test_the_sparse_prefill_kernel_cannot_take_an_empty_query(expect, record_property):
-    """The control: what any prefill that launches an empty chunk runs into (issue 51486's
-    `phase1.cuh:614` abort on SM90)."""
+    """The control: what any prefill that launches an empty chunk runs into (vLLM issue
+    51486's `phase1.cuh:614` abort on SM90)."""
     expect.fixed(FIX)
     code, output = run_case("kernel-empty-query")
     record_property("child_exit", code)

@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,152 @@ def golden_text(rendered: dict[str, str]) -> str:
             continue
         parts.append(f"---\n# Source: {name}\n{body}\n")
     return "".join(parts)
+
+
+# ---- goldens: what each case is about ----------------------------------------------------------
+# A golden holds the part of a render its case is about (a profile's vLLM command line, the
+# alert rules, the multi-node objects...), and the default install whole, so a change anywhere
+# still shows there. The chart's own version and appVersion (the image tag, the version labels,
+# NOTES' first line) are written as <version> and <appVersion>: a new release or a new
+# mla-serve version rewrites no golden.
+
+
+def versionless(text: str) -> str:
+    """`text` with Chart.yaml's appVersion and the chart label `<name>-<version>` written as
+    placeholders."""
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    text = text.replace(str(meta["appVersion"]), "<appVersion>")
+    return text.replace(f"{meta['name']}-{meta['version']}", f"{meta['name']}-<version>")
+
+
+def notes_paragraph(notes: str, starts: str) -> str:
+    """The paragraph of NOTES.txt (blank-line separated) that begins with `starts`."""
+    for paragraph in notes.strip().split("\n\n"):
+        if paragraph.startswith(starts):
+            return paragraph + "\n"
+    raise AssertionError(f"NOTES.txt has no paragraph beginning {starts!r}")
+
+
+def _pods(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each pod template of the workload: `server` (Deployment) or `leader` and `worker` (LWS)."""
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            return {"server": doc["spec"]["template"]}
+        if doc["kind"] == "LeaderWorkerSet":
+            lwt = doc["spec"]["leaderWorkerTemplate"]
+            return {"leader": lwt["leaderTemplate"], "worker": lwt["workerTemplate"]}
+    raise AssertionError("no Deployment or LeaderWorkerSet rendered")
+
+
+def command_lines(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pod template: where it runs and the vLLM command line with its resources and its
+    start-up budget (the startup probe)."""
+    out: dict[str, Any] = {}
+    for role, template in _pods(docs).items():
+        spec = template["spec"]
+        vllm = vllm_container(spec)
+        out[role] = {
+            "annotations": template["metadata"].get("annotations", {}),
+            "nodeSelector": spec.get("nodeSelector", {}),
+            "resourceClaims": spec.get("resourceClaims", []),
+            "vllm": {
+                "command": vllm["command"],
+                "args": vllm["args"],
+                "resources": vllm["resources"],
+                "startupProbe": vllm.get("startupProbe"),
+            },
+        }
+    return out
+
+
+def _specs(docs: list[dict[str, Any]], *wanted: str) -> dict[str, Any]:
+    """`kind/name: spec` of every object of the wanted kinds."""
+    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"] for d in docs if d["kind"] in wanted}
+
+
+def _profile(docs: list[dict[str, Any]], notes: str) -> dict[str, Any]:
+    return {"summary": notes_paragraph(notes, "mla-serve "), **command_lines(docs)}
+
+
+def _monitoring(docs: list[dict[str, Any]], notes: str) -> dict[str, Any]:
+    dashboards = {
+        f"ConfigMap/{d['metadata']['name']}": {
+            "labels": d["metadata"].get("labels", {}),
+            # the dashboard itself: helm/tools/gen_dashboard.py, held by `make check-generated`
+            "data": sorted(d.get("data", {})),
+        }
+        for d in docs
+        if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]
+    }
+    return {**_specs(docs, "PrometheusRule", "PodMonitor"), **dashboards}
+
+
+def _passthrough_off(docs: list[dict[str, Any]], notes: str) -> dict[str, Any]:
+    (deployment,) = (d for d in docs if d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    return {
+        "api": notes_paragraph(notes, "Call the OpenAI API"),
+        **_specs(docs, "Service", "NetworkPolicy", "ServiceMonitor"),
+        "Deployment": {
+            "replicas": deployment["spec"]["replicas"],
+            "strategy": deployment["spec"]["strategy"],
+            "initContainers": [
+                {"name": c["name"], "command": c["command"], "env": c.get("env", [])}
+                for c in spec.get("initContainers", [])
+            ],
+            "vllm env": vllm_container(spec).get("env", []),
+            "volumes": spec["volumes"],
+        },
+    }
+
+
+def _multinode(docs: list[dict[str, Any]], notes: str) -> dict[str, Any]:
+    (lws,) = (d for d in docs if d["kind"] == "LeaderWorkerSet")
+    return {
+        "summary": notes_paragraph(notes, "mla-serve "),
+        "LeaderWorkerSet": {
+            **{k: v for k, v in lws["spec"].items() if k != "leaderWorkerTemplate"},
+            "size": lws["spec"]["leaderWorkerTemplate"]["size"],
+        },
+        **_specs(docs, "ComputeDomain", "PersistentVolumeClaim"),
+        **command_lines(docs),
+    }
+
+
+# What each case's golden holds (tests/helm/golden/<case>.yaml); `default` is the whole render.
+ASPECTS: dict[str, Callable[[list[dict[str, Any]], str], dict[str, Any]]] = {
+    **{f"profile-{name}": _profile for name in PROFILES},
+    "monitoring-dsv4-flash": _monitoring,
+    "passthrough-off-b200-tp2-pcp2": _passthrough_off,
+    "multinode-nvl72": _multinode,
+    "multinode-dp": _multinode,
+}
+
+
+class _GoldenDumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no types here
+    """Block style for text of several lines (NOTES paragraphs), so a golden reads as text."""
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_GoldenDumper.add_representer(str, _text)
+
+
+def goldens(case: str) -> dict[str, str]:
+    """File name under tests/helm/golden -> its text, for one case."""
+    rendered = render_case(case)
+    notes = rendered[NOTES].strip() + "\n"
+    if case == "default":
+        return {
+            "default.yaml": versionless(golden_text(rendered)),
+            "default.NOTES.txt": versionless(notes),
+        }
+    aspect = ASPECTS[case](documents(rendered), versionless(notes))
+    text = yaml.dump(aspect, Dumper=_GoldenDumper, sort_keys=False, width=100, allow_unicode=True)
+    return {f"{case}.yaml": versionless(text)}
 
 
 def promtool() -> str | None:

@@ -1,7 +1,10 @@
-"""The chart renders with Helm's engine, lints clean, validates, and matches its golden output.
+"""The chart renders with Helm's engine, lints clean, validates, and matches its goldens.
 
-Goldens: tests/helm/golden/<case>.yaml (and .NOTES.txt). After an intended chart change:
-    MLA_SERVE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/helm
+Goldens: tests/helm/golden/<case>.yaml, each what its case is about (helm_support.ASPECTS: a
+profile's vLLM command line, the alert rules, the multi-node objects...), the default install
+whole (default.yaml, default.NOTES.txt); the chart's version and appVersion as placeholders.
+After an intended chart change:
+    MLA_SERVE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/helm/test_helm_render.py
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import yaml
 
 from tests.helm.crd_subsets import CRD_SCHEMAS
 from tests.helm.helm_support import (
+    ASPECTS,
     CASES,
     CHART,
     GOLDEN_DIR,
     NAMESPACE,
-    NOTES,
     PROFILES,
     RELEASE,
     UPDATE_GOLDEN,
@@ -29,10 +32,10 @@ from tests.helm.helm_support import (
     case_values,
     find,
     flags,
-    golden_text,
+    goldens,
     kinds,
-    render_case,
     sidecar_container,
+    versionless,
     vllm_container,
 )
 
@@ -61,12 +64,8 @@ def test_lints_clean(case: str) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_golden(case: str) -> None:
-    rendered = render_case(case)
-    outputs = {
-        GOLDEN_DIR / f"{case}.yaml": golden_text(rendered),
-        GOLDEN_DIR / f"{case}.NOTES.txt": rendered[NOTES].strip() + "\n",
-    }
-    for path, text in outputs.items():
+    for name, text in goldens(case).items():
+        path = GOLDEN_DIR / name
         if UPDATE_GOLDEN:
             path.write_text(text)
             continue
@@ -78,8 +77,29 @@ def test_matches_golden(case: str) -> None:
 
 
 def test_no_stale_goldens() -> None:
-    expected = {f"{case}.yaml" for case in CASES} | {f"{case}.NOTES.txt" for case in CASES}
+    assert set(ASPECTS) | {"default"} == set(CASES)
+    expected = {name for case in CASES for name in goldens(case)}
     assert {p.name for p in GOLDEN_DIR.iterdir()} == expected
+
+
+def test_goldens_hold_no_version() -> None:
+    """A release or a version bump rewrites no golden: the chart's version and appVersion
+    appear in none (nor the default vLLM release, which the appVersion names)."""
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    release = str(meta["appVersion"]).rsplit("-vllm", 1)[1]
+    for path in sorted(GOLDEN_DIR.iterdir()):
+        text = path.read_text()
+        for value in (str(meta["appVersion"]), f"{meta['name']}-{meta['version']}", release):
+            assert value not in text, f"{path.name} names {value}"
+    assert "<appVersion>" in (GOLDEN_DIR / "default.yaml").read_text()
+
+
+def test_versionless_replaces_exactly_the_chart_versions() -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    text = f"image: x:{meta['appVersion']}\nhelm.sh/chart: mla-serve-{meta['version']}\nv: 0.2"
+    assert versionless(text) == (
+        "image: x:<appVersion>\nhelm.sh/chart: mla-serve-<version>\nv: 0.2"
+    )
 
 
 def _wrap_pod_template(template: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The chart's side of the sidecar's hardening (issue 12): what the Service exposes, the
+"""The chart's side of the sidecar's hardening: what the Service exposes, the
 admin port, vLLM's API key for both containers, and the drain on pod termination."""
 
 from __future__ import annotations

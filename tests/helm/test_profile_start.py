@@ -8,8 +8,8 @@ model's config hook, the parallel/scheduler/cache checks), the PCP manager's che
 engine core's KV-cache planning, whose memory check needs one request at max-model-len to fit
 in the per-rank budget `mla-serve plan` gives for the profile. No weights, no GPU.
 
-The profiles as they were before issue 18 are kept here as overrides of today's values, and
-must fail with vLLM's own messages; today's must pass.
+The profiles as they were before their layouts were fixed are kept here as overrides of
+today's values, and must fail with vLLM's own messages; today's must pass.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ QUANTIZATION: dict[str, dict[str, Any]] = {
     },
 }
 
-# The profiles before issue 18, as overrides of today's files, and vLLM's refusal of each
-# (stage of the probe, start of the message). "@kv-auto": the PCP+DCP profile with only the
-# DCP backend fixed, i.e. GLM-5.2's `auto` KV dtype under a forced FLASHMLA_SPARSE.
+# The profiles before their layouts were fixed, as overrides of today's files, and vLLM's
+# refusal of each (stage of the probe, start of the message). "@kv-auto": the PCP+DCP
+# profile with only the DCP backend fixed, i.e. GLM-5.2's `auto` KV dtype under a forced
+# FLASHMLA_SPARSE.
 PRISTINE: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "b200-tp1-pcp4-dcp4@pristine": (
         "b200-tp1-pcp4-dcp4",
@@ -219,7 +220,7 @@ def test_profile_passes_vllms_start_checks(profile: str, starts: dict[str, Any])
 
 @pytest.mark.parametrize("label", sorted(PRISTINE))
 def test_pristine_profile_fails_with_vllms_message(label: str, starts: dict[str, Any]) -> None:
-    """The profiles before issue 18 would not start; vLLM's own checks say why."""
+    """The profiles before their layouts were fixed would not start; vLLM's own checks say why."""
     got = starts[label]
     _, _, stage, message = PRISTINE[label]
     print(f"{label}: {got['error']}")

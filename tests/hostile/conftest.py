@@ -1,6 +1,6 @@
 """The hostile-input suite's set-up: the sidecar through its real CLI, a fake vLLM, a report.
 
-Each attack records whether it held (`attack` fixture); the session writes every record
+Each attack records whether it held (`attack` fixture); the test run writes every record
 to build/hostile/report.json and prints `hostile: N attacks, N held`.
 """
 

@@ -1,6 +1,6 @@
 """Hostile clients against `mla-serve sidecar` (real CLI: uvicorn + httptools + uvloop).
 
-Items refer to issue 12. Every exchange is on 127.0.0.1.
+Every exchange is on 127.0.0.1.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A misbehaving vLLM (tests/hostile/fake_vllm.py) behind `mla-serve sidecar` (real CLI).
 
-Items refer to issue 12. Bytes the client receives are compared with what the fake sent.
+Bytes the client receives are compared with what the fake sent.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-# vLLM's OpenAI-compatible routes (vllm/entrypoints/openai, 0.27.1-0.33.0); `*` is one
+# vLLM's OpenAI-compatible routes (vllm/entrypoints/openai, every supported release); `*` is one
 # path segment. vLLM's admin routes (/sleep, /scale_elastic_ep, /collective_rpc, LoRA
 # loading, profiling, /metrics...) are deliberately absent.
 OPENAI_ROUTES = (

@@ -45,6 +45,10 @@ from typing import Any
 
 from tests.bench.passthrough import upstream as standin  # HTTP framing and the Date clock, shared
 
+# The recorded streams of record (relative to the repository root): each end-to-end stack's
+# `recorded_streams.json` under results/e2e (results/README.md).
+RECORDINGS = "results/e2e/*/*/recorded_streams.json"
+
 Key = tuple[bool, bool]  # (thinking, include_usage)
 
 
