@@ -32,8 +32,8 @@ def test_the_hot_path_bench_measures_real_streams(tmp_path: Path) -> None:
 def test_the_hot_path_bench_fails_on_changed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     original = Exchange._event
 
-    def dropping(self: Exchange, raw: bytes, data: bytes) -> bytes:
-        kept = original(self, raw, data)
+    def dropping(self: Exchange, raw: bytes, data: bytes, whole: bool = False) -> bytes:
+        kept = original(self, raw, data, whole)
         return b"" if b'"usage"' in raw else kept  # a usage event the client asked for, lost
 
     monkeypatch.setattr(Exchange, "_event", dropping)

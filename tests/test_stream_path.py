@@ -603,7 +603,29 @@ ODD = [
     b'"choices":[{"index":0,"delta":{"content":"a","content":"b"},"logprobs":null,'
     b'"finish_reason":null}]}\n\n',
     _token(b"w").replace(b'"finish_reason":null', b'"finish_reason":"length"'),
+    # what follows the string, against the shape the role chunk leads to expect
+    _token(b"u", extra=b',"logprobs":null'),  # a repeated null: still a token chunk
+    _token(b"u", extra=b',"index":null'),  # the choice's index again, null: parsed whole
+    _token(b"u").replace(b"}]}\n\n", b'}],"usage":null}\n\n'),
+    _token(b"u").replace(b"}]}\n\n", b'}],"usage":{"total_tokens":1}}\n\n'),
+    _token(b"u").replace(b"}]}\n\n", b'}],"model":null}\n\n'),  # the head's model undone
+    _token(b"u").replace(b"}]}\n\n", b'}] ,"x":null}\n\n'),
+    _token(b"u").replace(b"}]}\n\n", b"}]}\r\n\r\n"),
 ]
+
+
+def test_a_chat_streams_first_token_chunk_is_read_by_the_shape_its_role_chunk_gives() -> None:
+    """The role chunk (parsed whole) gives the head its token chunks share; the first token
+    chunk then settles the tail, so no token chunk of a chat stream is parsed whole. A
+    completions stream has no role chunk: its first token chunk teaches the shape."""
+    first = _token(b"start").replace(b'{"content":"start"}', b'{"role":"assistant","content":""}')
+    tokens = [_token(b"a"), _token(b"b", b"reasoning"), _token(b"c")]
+    assert _classify([first, *tokens], by_shape=True)[2] == 3
+    texts = [_text(b"a"), _text(b"b"), _text(b"c")]
+    assert _classify(texts, by_shape=True)[2] == 2
+    # a tail the expected shape must not take: parsed whole, and the shape learnt from it
+    usage = _token(b"a").replace(b"}]}\n\n", b'}],"usage":{"total_tokens":1}}\n\n')
+    assert _classify([first, usage, *tokens], by_shape=True)[2] == 3
 
 
 def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
@@ -621,17 +643,21 @@ def test_token_chunks_classify_as_parsing_them_whole_does() -> None:
     # `"created":01` is not JSON: a head is never learnt from it.
     zero = [e.replace(b'"created":1,', b'"created":01,') for e in (first, _token(b"c"))]
     cases.append([zero[0], _token(b"valid"), zero[1], zero[1]])
-    cases.append([first] + [_token(b"the same phrase again, ", b"reasoning")] * 40)
+    looping = [first] + [_token(b"the same phrase again, ", b"reasoning")] * 40
+    cases.append(looping)
     cases.append([first] + [_token(b"ab")] * 80 + [_token(b"", extra=b"")])
     # /v1/completions streams (vLLM 0.33.0's text_completion chunks): no role chunk first
     cases.append([_text(b"once"), _text(b" more"), _text(b"   "), _text(b"\\u00e9")])
     cases.append([_text(b"go")] + [_text(b"round and round, ")] * 40)
     cases.append([_text(b"a"), _text(b"b", extra=b',"usage":null'), _text(b"c")])
+    # A head that is not flat (an object before the choices): no shape is expected of it.
+    nested = [e.replace(b'"model":"m"', b'"model":{"m":[1]}') for e in (first, _token(b"n"))]
+    cases.append([nested[0], nested[1], nested[1]])
     for events in cases:
         by_shape, out, used = _classify(events, by_shape=True)
         assert (by_shape, out) == _classify(events, by_shape=False)[:2], events[:2]
         taken += used
         processed += len(out)
     assert taken > 0.8 * processed  # the shape took (nearly all) vLLM's token chunks
-    stopped = _classify(cases[-2], by_shape=True)[0]
+    stopped = _classify(looping, by_shape=True)[0]
     assert stopped[-1] is True  # type: ignore[index]

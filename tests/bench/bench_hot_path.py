@@ -342,7 +342,10 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
                 exchange.body(data)
                 exchange.fed()
 
-    per_token = [timed(token_pass, [None] * scale) / (tokens * scale) for _ in range(repeats)]
+    if not tokens:
+        problems.append("no read was taken as a token chunk")
+    per_token = [timed(token_pass, [None] * scale) / (max(tokens, 1) * scale)
+                 for _ in range(repeats)]  # fmt: skip
     per_read = {"python": per_token_read(streams, "python", repeats, scale)}
     if per_read["python"][1]:
         problems.append("the Python path's token reads went through the lane")

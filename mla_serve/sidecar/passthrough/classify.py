@@ -5,8 +5,10 @@ kept (`stream`, `model`, `stream_options.include_usage`), and usage asked for on
 that did not ask (spliced into the client's bytes, not re-serialized).
 
 The answer's events are JSON (`loads`). A stream's token chunks, nearly every event of it,
-are read without parsing them whole: `TokenShape` is learnt from the first token chunk of
-the stream, parsed whole, and is the bytes all of that stream's token chunks share: `head`
+are read without parsing them whole: `TokenShape` is the bytes all of that stream's token
+chunks share, learnt from the first token chunk of the stream, parsed whole (for a chat
+stream, its head from the first chunk, the role, and its tail from the first token chunk
+that fits, so that no token chunk is parsed whole): `head`
 (everything before the choice's one string field: id, object, created, model, the choice's
 index, and for chat the opening of its delta), the field's name (`content` or `reasoning`
 for chat, `text` for `/v1/completions`), a JSON string, and `tail` (everything after the
@@ -50,6 +52,24 @@ _TEXT_NULLS = frozenset(
      "weight_versions"}
 )  # fmt: skip
 _TOP = frozenset({"id", "object", "created", "model", "choices"})
+# What follows a chat token chunk's string, in vLLM's compact JSON: the closing quote, the
+# delta's end, the choice's other fields (null), the choices' end, the chunk's other fields
+# (null), the event's end. `_settle` checks the names.
+_NULL_MEMBERS = rb'((?:,"[A-Za-z_][A-Za-z0-9_]*":null)*)'
+_CHAT_TAIL = re.compile(rb'"\}' + _NULL_MEMBERS + rb"\}\]" + _NULL_MEMBERS + rb"\}\n\n")
+_NAME = re.compile(rb'"([^"]*)"')
+_SETTLED: set[bytes] = set()  # tails `_settle` found right (bytes only: no stream's own)
+# A chat stream's first chunk (the role) up to its delta's contents: the head its token
+# chunks share, when nothing before `choices` is an object or an array.
+_CHAT_HEAD_END = b'"choices":[{"index":0,"delta":{'
+
+
+def _letters(keys: Keys) -> dict[int, tuple[bytes, str, int]]:
+    """Each key by its first letter (the byte after its opening quote): one comparison."""
+    return {key[1]: (key, channel, len(key)) for key, channel in keys}
+
+
+_LETTERS = {CHAT_KEYS: _letters(CHAT_KEYS), TEXT_KEYS: _letters(TEXT_KEYS)}
 
 
 class TokenShape:
@@ -63,8 +83,7 @@ class TokenShape:
         self.tail = tail
         self._at = len(head)
         self._end = len(tail) + 1  # the closing quote and the tail
-        # each key by its first letter (the byte after its opening quote): one comparison
-        self._by_letter = {key[1]: (key, channel, len(key)) for key, channel in keys}
+        self._by_letter = _LETTERS.get(keys) or _letters(keys)
 
     def match(self, event: bytes) -> tuple[str, str] | None:
         """(channel, text) when `event` is a token chunk of this shape; None otherwise."""
@@ -79,8 +98,10 @@ class TokenShape:
             return None
         start = at + size
         end = _STRING.match(event, start).end()  # type: ignore[union-attr]  # matches ""
-        if end + self._end != len(event) or event[end] != 34 or not event.endswith(self.tail):
-            return None  # 34: the closing quote
+        if (  # not this shape's end (34: the closing quote), nor a first one that settles it
+            end + self._end != len(event) or event[end] != 34 or not event.endswith(self.tail)
+        ) and (self.tail or not self._settle(event, end)):
+            return None
         raw = event[start:end]
         try:
             text = raw.decode("utf-8", "surrogatepass")
@@ -90,15 +111,40 @@ class TokenShape:
             text = _scanstring(text + '"', 0)[0]
         return channel, text
 
+    def _settle(self, event: bytes, end: int) -> bool:
+        """An expected shape (no tail yet) meets its first token chunk, `end` its string's
+        end: the tail is what follows the string when it holds only what `learn` allows
+        there (each other field of the choice and of the chunk null, the closing brackets,
+        the event's end); the shape is then exact."""
+        tail = event[end + 1 :]
+        if tail not in _SETTLED:
+            found = _CHAT_TAIL.fullmatch(event, end)
+            if found is None:
+                return False
+            choice, top = found.groups()
+            if not all(name.decode() in _CHAT_NULLS for name in _NAME.findall(choice)):
+                return False
+            if any(name.decode() in _TOP for name in _NAME.findall(top)):
+                return False
+            if len(_SETTLED) < 64:  # what one vLLM sends: a few, the same for every stream
+                _SETTLED.add(tail)
+        self.tail = tail
+        self._end = len(self.tail) + 1
+        return True
+
     def arm_args(self) -> tuple[bytes, tuple[tuple[bytes, str], ...], bytes]:
-        """The shape as the C lane takes it."""
+        """The shape as the C lane takes it (an exact one: `tail` known)."""
         return self.head, self.keys, self.tail
 
 
-def learn(event: bytes, chunk: dict[str, Any]) -> TokenShape | None:
+def learn(event: bytes, chunk: dict[str, Any], first: bool = False) -> TokenShape | None:
     """The token shape of the stream `event` (one `data: {...}\\n\\n` event, parsed whole as
     `chunk`) belongs to, when it is a token chunk: one choice, index 0, one string field and
-    every other field null; None when it is not (a role, usage, finish or tool chunk)."""
+    every other field null. None when it is not (a role, usage, finish or tool chunk), except
+    for a chat stream's `first` chunk of one choice 0 (its role): the shape its token chunks
+    are expected to have, the same head and no tail yet (`TokenShape.match` takes the tail
+    from the first token chunk that fits), when nothing before its choices is an object or
+    an array (else the head is not flat, and only a token chunk may tell the shape)."""
     choices = chunk.get("choices")
     if choices.__class__ is not list or len(choices) != 1:
         return None
@@ -112,7 +158,7 @@ def learn(event: bytes, chunk: dict[str, Any]) -> TokenShape | None:
     if kind == "chat.completion.chunk":
         delta = choice.get("delta")
         if delta.__class__ is not dict or len(delta) != 1:
-            return None
+            return _expected(event) if first else None
         ((field, text),) = delta.items()
         keys, nulls, own = CHAT_KEYS, _CHAT_NULLS, "delta"
     elif kind == "text_completion":
@@ -120,14 +166,12 @@ def learn(event: bytes, chunk: dict[str, Any]) -> TokenShape | None:
         keys, nulls, own = TEXT_KEYS, _TEXT_NULLS, "text"
     else:
         return None
-    if text.__class__ is not str:
-        return None
+    key = next((key for key, channel in keys if channel == field), None)
+    if text.__class__ is not str or key is None:
+        return _expected(event) if first and own == "delta" else None
     for name, value in choice.items():
         if name != "index" and name != own and (name not in nulls or value is not None):
             return None
-    key = next((key for key, channel in keys if channel == field), None)
-    if key is None:
-        return None
     at = event.find(key)
     if at < 0:
         return None
@@ -135,6 +179,13 @@ def learn(event: bytes, chunk: dict[str, Any]) -> TokenShape | None:
     assert found is not None  # the pattern matches the empty string
     # The string ends at the first quote JSON's grammar leaves; what follows is the tail.
     return TokenShape(event[:at], keys, event[found.end() + 1 :])
+
+
+def _expected(event: bytes) -> TokenShape | None:
+    at = event.find(_CHAT_HEAD_END)
+    if at < 0 or event.count(b"{", 0, at) != 1 or event.count(b"[", 0, at) != 0:
+        return None
+    return TokenShape(event[: at + len(_CHAT_HEAD_END)], CHAT_KEYS, b"")
 
 
 def one_event(data: bytes) -> bool:

@@ -19,7 +19,7 @@ field, as nginx does). Only the routes in `routes.OPENAI_ROUTES` (plus `--extra-
 forwarded, checked on the normalized path.
 
 Classification (classify.py): a chat or completion response is read as it passes. A stream's
-token chunks are matched by the stream's token shape (learnt from its first one) without
+token chunks are matched by the stream's token shape (learnt as its first ones pass) without
 parsing them whole; other events are parsed whole. With the C lane armed (lane.py), whole
 reads of token chunks are taken in C, and what they did is collected here (`took`). The
 runaway guard (guard/loops.py), when on, sees every token; in stop mode it ends a looping
@@ -443,8 +443,13 @@ class Exchange:
             self._answer(500, errors.error_body(500, f"the sidecar failed: {why(error)}",
                                                 "server_error"))  # fmt: skip
             return
-        self.deadline = self.loop.time() + self.settings.upstream_timeout
-        self._arm_timer(self.deadline)
+        now = self.loop.time()
+        settings = self.settings
+        self.deadline = now + settings.upstream_timeout
+        # Due no later than the response's first check (set at its head, which then keeps
+        # this timer); `_tick` re-arms it by phase.
+        self._arm_timer(min(self.deadline, now + settings.stream_idle_timeout,
+                            now + settings.response_deadline))  # fmt: skip
         self._attempt()
 
     def _request_bytes(self, body: bytes) -> bytes:
@@ -583,7 +588,10 @@ class Exchange:
         length = any(name == b"content-length" for name, _ in returned)
         self.chunked = not length and status not in (204, 304) and self.method != b"HEAD"
         self.front.start(status, returned, not self.chunked)
-        self._arm_timer(min(self.loop.time() + settings.stream_idle_timeout, self.ends_by))
+        when = min(self.loop.time() + settings.stream_idle_timeout, self.ends_by)
+        timer = self.timer
+        if timer is None or timer.when() > when:
+            self._arm_timer(when)
 
     def body(self, data: bytes) -> None:
         if self.finished:
@@ -637,7 +645,7 @@ class Exchange:
         """vLLM's parser is between two chunks: the lane may take this stream's next reads
         of token chunks, which `body` would take here."""
         shape = self.shape
-        if shape is None or self.finished or self.ended or self.splitter.pieces:  # type: ignore[union-attr]
+        if shape is None or not shape.tail or self.finished or self.ended or self.splitter.pieces:  # type: ignore[union-attr]
             return
         front = self.front
         if not front.direct:
@@ -700,7 +708,7 @@ class Exchange:
         splitter = self.splitter
         assert splitter is not None
         if not splitter.pieces and not splitter.skipping and classify.one_event(data):
-            return self._event(data, data[6:])
+            return self._event(data, data[6:], True)
         out, events, after = splitter.feed(data)
         if events:
             out += self._events(events)
@@ -713,7 +721,7 @@ class Exchange:
         """Complete events: each classified; the bytes to pass on (all of them, less a usage
         chunk asked for here, and nothing after the chunk that confirmed a loop to stop)."""
         if classify.one_event(block):
-            return self._event(block, block[6:])
+            return self._event(block, block[6:], True)
         kept: list[bytes] = []
         guard = self.guard
         for raw, event in sse.split_events(block):
@@ -723,7 +731,7 @@ class Exchange:
                 break
         return b"".join(kept)
 
-    def _event(self, raw: bytes, data: bytes) -> bytes:
+    def _event(self, raw: bytes, data: bytes, whole: bool = False) -> bytes:
         """One event's data: classified; the event's bytes to pass on, or none (a usage
         chunk asked for here)."""
         if data == b"[DONE]":
@@ -742,10 +750,11 @@ class Exchange:
             return raw
         if self.strip_usage and not chunk.get("choices") and chunk.get("usage"):
             return b""
-        if self.shape is None and classify.one_event(raw):
-            shape = classify.learn(raw, chunk)
-            if shape is not None:
-                self.shape = shape
+        shape = self.shape
+        if (shape is None or not shape.tail) and (whole or classify.one_event(raw)):
+            learnt = classify.learn(raw, chunk, first=shape is None)
+            if learnt is not None:
+                self.shape = learnt
                 self.choice = self.completion.choices[0]
         return raw
 
