@@ -276,3 +276,20 @@ def test_mypy_catches_a_misspelt_figure(tmp_path: Path) -> None:
     assert 'Unexpected keyword argument "capture_secs" for "RankRecord"' in errors
     assert '"RankRecord" has no attribute "capture_secnds"' in errors
     assert errors.count("Literal['capture_second']") == 2, errors  # the table row, Rank.value
+
+
+def test_the_sidecar_readme_lists_every_engine_series_as_the_table_feeds_it() -> None:
+    """The README's table of engine series is the one a user reads: each family of
+    `contract.FIGURES` once, its labels in exposition order, the figures that feed it."""
+    readme = (ROOT / "mla_serve" / "sidecar" / "README.md").read_text()
+    rows = []
+    for line in readme.split("| series | labels | figure |", 1)[1].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        series, labels, _ = (cell.strip() for cell in line.strip("|").split("|"))
+        rows.append((series.strip("`"), tuple(label.strip("` ") for label in labels.split(","))))
+    families: dict[str, tuple[str, ...]] = {}
+    for figure in contract.FIGURES:
+        if figure.series is not None:
+            families.setdefault(figure.series.name, figure.series.labels)
+    assert rows == list(families.items())

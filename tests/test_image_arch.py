@@ -144,6 +144,23 @@ def _image_tags(make_args: list[str]) -> list[str]:
     return traced.stdout.splitlines()
 
 
+_SHELL_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+_ASSIGNMENT = re.compile(r"^([A-Za-z_]\w*)=")
+
+
+def _shell_value(line: str, name: str) -> str:
+    """What `line` (an assignment in a README's example) sets `name` to, run from the root."""
+    done = subprocess.run(
+        ["bash", "-c", f'{line}\nprintf %s "${name}"'],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout, f"{line}: sets {name} to nothing"
+    return done.stdout
+
+
 @pytest.mark.parametrize("readme", ["README.md", "docker/README.md"])
 def test_the_readmes_push_only_tags_make_image_builds(readme: str) -> None:
     """Every `docker push TAG` and `make image-manifest IMAGE=T` in the README's examples pushes
@@ -152,9 +169,14 @@ def test_the_readmes_push_only_tags_make_image_builds(readme: str) -> None:
     text = (ROOT / readme).read_text()
     blocks = re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S)
     pushes = 0
+    shell: dict[str, str] = {}  # variables the examples set (TAG=…), as a reader's shell keeps them
     for block in blocks:
         built: set[str] = set()
         for line in block.replace("\\\n", " ").splitlines():
+            if assigned := _ASSIGNMENT.match(line):
+                shell[assigned[1]] = _shell_value(line, assigned[1])
+                continue
+            line = _SHELL_VAR.sub(lambda m: shell.get(m[1] or m[2], m[0]), line)
             argv = shlex.split(line, comments=True)
             if argv[:2] == ["make", "image"]:  # without IMAGE=: build.sh's local default tag
                 built.update(tag for tag in _image_tags(argv[2:]) if tag)

@@ -13,9 +13,12 @@ another schema version, a missing field or a wrong type is refused with a reason
 Prometheus series it feeds (name, help, labels, how a value becomes samples). The
 sidecar generates both its /status figures and its /metrics engine series from it.
 
-Adding an engine figure with its metric: a field on `RankRecord` and its name in
-`FigureName` and a row in `FIGURES` (this file), the code that fills it in
-mla_serve/engine/plugin/collect.py, and a test. Decoding, /status and /metrics follow.
+Adding an engine figure with its metric, four files: a field on `RankRecord`, its name in
+`FigureName` and a row in `FIGURES` (this file); the code that fills it in
+mla_serve/engine/plugin/collect.py; a test of its series (tests/test_sidecar.py); its row in
+the engine-series table of mla_serve/sidecar/README.md (tests/test_contract.py holds the
+table to `FIGURES`). Decoding, /status and /metrics follow. Measured on a copy, a per-rank
+gauge of vLLM's max_model_len: those four files, ten lines.
 
 The schema version changes only when a field changes meaning or type, or
 disappears: a new optional field keeps it (an older reader ignores fields it does

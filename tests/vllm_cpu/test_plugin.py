@@ -85,7 +85,9 @@ def test_a_vllm_worker_loads_none_of_the_patch_engine(expect, state_dir):
     """The plugin's package checks the manifest itself: a worker imports no
     mla_serve.patching (nor sidecar) module, and still knows whether its files match."""
     tree = Path(importlib.import_module("vllm").__file__).resolve().parent.parent
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *sys.path[1:]])}
+    # The tree under test first (as --vllm-tree puts it), then whatever this run was given.
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *inherited])}
     child = subprocess.run(
         [sys.executable, "-c", WORKER_START],
         capture_output=True, text=True, env=environment, timeout=300, check=False,
