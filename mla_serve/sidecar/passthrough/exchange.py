@@ -206,20 +206,25 @@ class PassThrough:
         return path if path is not None and self.routes.allows(path) else None
 
     def forwarded(self, headers: Headers, peer: str, scheme: bytes) -> Headers:
-        """The request headers vLLM gets: the client's less hop-by-hop ones, and
-        X-Forwarded-For/-Proto as this sidecar vouches for them."""
-        named = connection_tokens(headers)
+        """The request headers vLLM gets: the client's less hop-by-hop ones (and those its
+        Connection header names), and X-Forwarded-For/-Proto as this sidecar vouches for
+        them. The names come lowercased: both fronts take them from uvicorn's protocols, which
+        lower them (as ASGI requires)."""
         out: Headers = []
         forwarded_for: list[bytes] = []
         proto: bytes | None = None
-        for key, value in headers:
-            name = key.lower()
-            if name == b"x-forwarded-for":
+        named: set[bytes] = set()
+        for name, value in headers:
+            if name not in NOT_FORWARDED and not name.startswith(b"proxy-"):
+                out.append((name, value))
+            elif name == b"x-forwarded-for":
                 forwarded_for.append(value)
             elif name == b"x-forwarded-proto":
                 proto = value
-            elif name not in NOT_FORWARDED and name not in named and not name.startswith(b"proxy-"):
-                out.append((name, value))
+            elif name == b"connection":
+                named.update(_tokens(value))
+        if named:
+            out = [pair for pair in out if pair[0] not in named]
         trusted = bool(peer) and self._trusts(peer)
         if peer:
             if forwarded_for and trusted:
@@ -240,11 +245,16 @@ class PassThrough:
         return any(address in network for network in self.trusted)
 
 
+def _tokens(value: bytes) -> set[bytes]:
+    """The field names a Connection header's value lists."""
+    return {token.strip().lower() for token in value.split(b",") if token.strip()}
+
+
 def connection_tokens(headers: Any) -> frozenset[bytes]:
     tokens: set[bytes] = set()
     for name, value in headers:
         if name.lower() == b"connection":
-            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+            tokens.update(_tokens(value))
     return frozenset(tokens)
 
 
