@@ -65,6 +65,7 @@ def run(
     reads: list[bytes],
     action: str = "observe",
     gone_at: int | None = None,
+    paused_at: int | None = None,
 ) -> dict[str, Any]:
     """One request and vLLM's `reads` through the fast path; what everyone could observe."""
 
@@ -102,6 +103,18 @@ def run(
                     front.client_gone()
 
             transport.write = write  # type: ignore[method-assign]
+        paused: list[int] = []  # the transport's writes when the client's buffer filled
+        if paused_at is not None:  # the client's buffer fills as its `paused_at`th write goes
+            transport, keep = protocol.transport, protocol.transport.write
+
+            def write(data: bytes) -> None:
+                keep(data)
+                if len(transport.out) == paused_at:  # as asyncio calls pause_writing in write
+                    paused.append(len(transport.out))
+                    protocol.flow.write_paused = True
+                    front.paused()
+
+            transport.write = write  # type: ignore[method-assign]
         exchange.body_done()
         assert exchange.conn is conn, "the request went out on the pooled connection"
         taken = lane_.taken()
@@ -111,7 +124,8 @@ def run(
         if not conn.closed:
             conn.connection_lost(None)
         taken = lane_.taken() - taken
-        wire = b"".join(protocol.transport.out)
+        # what the client gets: the transport's bytes, then what waits for it to read
+        wire = b"".join(protocol.transport.out) + b"".join(front.pending)
         head, _, rest = wire.partition(b"\r\n\r\n")
         return {
             "head": head,
@@ -127,6 +141,7 @@ def run(
                 if not s.name.endswith("_created")
             ),
             "taken": taken,
+            "written_while_paused": len(protocol.transport.out) - paused[0] if paused else 0,
         }
 
     return asyncio.run(go())
@@ -147,10 +162,11 @@ def same(
     reads: list[bytes],
     action: str = "observe",
     gone_at: int | None = None,
+    paused_at: int | None = None,
 ) -> int:
     """Run both ways, assert they agree; the reads the lane did."""
-    python = run(False, reads, action, gone_at)
-    lane = run(True, reads, action, gone_at)
+    python = run(False, reads, action, gone_at, paused_at)
+    lane = run(True, reads, action, gone_at, paused_at)
     taken = lane.pop("taken")
     assert python.pop("taken") == 0
     assert lane == python
@@ -349,23 +365,26 @@ def test_a_client_gone_during_a_write_the_same_either_way(gone_at) -> None:
     both ways leave the same state."""
     tokens = thinking(30)
     taken = same(cuts(vllm_stream(tokens), "each"), gone_at=gone_at)
-    assert taken == lane_writes([text for _, text in tokens], gone_at)
+    assert taken == lane_writes(gone_at)
     assert 0 < taken < gone_at
 
 
-def lane_writes(texts: list[str], writes: int, check_every: int = 32) -> int:
-    """How many of a stream's first `writes` client writes the lane makes: write 1 is the
-    role chunk (with the head) and write 2 the first token chunk (its shape learnt), both
-    Python's; after them the lane takes a token unless it makes the guard's detector look
-    (its fresh characters reaching `check_every`), which the Python path does."""
-    fresh, made = len(texts[0]), 0
-    for text in texts[1 : writes - 1]:
-        if fresh + len(text) < check_every:
-            fresh += len(text)
-            made += 1
-        else:
-            fresh = 0
-    return made
+@pytest.mark.parametrize("paused_at", range(3, 21))  # before its last read
+def test_a_client_paused_inside_a_read_the_same_either_way(paused_at) -> None:
+    """Two token chunks a read, the guard's check falling between them: the lane writes the
+    read in two pieces around its checkpoint, and the client's buffer fills on the first (the
+    lane disarmed under it): the rest of the read waits in order behind it, as through the
+    Python path, and the guard counts and checks the same."""
+    reads = cuts(vllm_stream(thinking(40)), "pairs")
+    assert same(reads, paused_at=paused_at) > 0
+
+
+def lane_writes(writes: int) -> int:
+    """How many of a stream's first `writes` client writes the lane makes, one token chunk a
+    read: write 1 is the role chunk (with the head) and write 2 the first token chunk (its
+    shape learnt), both Python's; the lane takes every token after them, also one that makes
+    the guard's detector look (its checkpoint runs the check, as the Python path would)."""
+    return max(writes - 2, 0)
 
 
 def test_frames() -> None:

@@ -303,16 +303,22 @@ class ResponseGuard:
             self.stopped = True
         return self.stopped
 
-    def took(self, index: int, tokens: int, texts: list[str]) -> None:
+    def took(self, index: int, tokens: int, texts: list[str]) -> bool:
         """`add_token` for `tokens` token chunks the C lane took (lane.py): counted, and their
-        texts, of the channel the detector watches, added without a check (the lane stops
-        short of the text that would make the detector look)."""
+        texts, of the channel the detector watches, added; the lane hands them over where
+        they reach the detector's next check (its checkpoint), so the check runs after the
+        same token as it would through add_token."""
         watch = self.watches[index]
         watch.tokens += tokens
         if texts and watch.loop is None:
             detector = watch.detector
             detector.pieces.extend(texts)
             detector.fresh += sum(map(len, texts))
+            if detector.fresh >= self.config.check_every:
+                self._found(watch, watch.channel, detector.check())
+        if self.looping and self.action == "stop" and self._all_looping():
+            self.stopped = True
+        return self.stopped
 
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
         if text.__class__ is not str or watch.loop is not None:
@@ -320,7 +326,10 @@ class ResponseGuard:
         if channel != watch.channel:  # a new channel is progress: start over
             watch.channel = channel
             watch.detector = TailDetector(self.config)
-        found = watch.detector.feed(text)
+        self._found(watch, channel, watch.detector.feed(text))
+
+    def _found(self, watch: _Watch, channel: str, found: tuple[int, int] | None) -> None:
+        """A detector's answer: a loop confirmed (counted) when it found one."""
         if found is not None:
             watch.loop = Loop(found[0], found[1], channel, watch.tokens)
             self.looping += 1

@@ -10,11 +10,16 @@
  * lane was given), and what the Python path would have done with its tokens is kept on this
  * object until the exchange collects it (`drain`): how many token chunks, whether one had
  * visible text, and, when a channel is watched by the runaway guard, their texts (decoded as
- * json.loads decodes a string) up to `budget` characters, the point where the guard's
- * detector must look. Anything else (a partial chunk, another event, an escape JSON refuses,
- * bytes that are not UTF-8, another channel, the budget reached) is not touched: the lane
- * disarms and hands the read to the Python path, which collects what the lane kept first.
- * The lane reads and writes nothing but its own fields and the two callables it was given.
+ * json.loads decodes a string). Where those texts reach `budget` characters, the point where
+ * the guard's detector must look, the lane writes the read up to that token and calls
+ * `check`, the exchange's checkpoint (it collects what the lane kept and lets the guard
+ * look, as the Python path would after that token): it answers the next budget, or 0 when
+ * the Python path takes the stream from the next token on (the rest of the read is handed
+ * to it). Without `check` such a read is the Python path's. Anything else (a partial chunk,
+ * another event, an escape JSON refuses, bytes that are not UTF-8, another channel) is not
+ * touched: the lane disarms and hands the read to the Python path, which collects what the
+ * lane kept first. The lane reads and writes nothing but its own fields and the three
+ * callables it was given.
  * The stable ABI (3.11): one build serves every CPython from 3.11 on.
  */
 #define Py_LIMITED_API 0x030B0000
@@ -40,6 +45,7 @@ typedef struct {
     Py_ssize_t budget;               /* characters of text left before the detector looks */
     PyObject *write;                 /* the client transport's write */
     PyObject *clock;                 /* the event loop's time */
+    PyObject *check;                 /* the exchange's checkpoint at the budget, or NULL */
     /* what was taken since the last drain */
     Py_ssize_t tokens;
     int saw_visible;
@@ -49,6 +55,8 @@ typedef struct {
 
 typedef struct {
     Py_ssize_t start, size;  /* the chunk's payload in the read */
+    Py_ssize_t end;          /* where its frame ends in the read */
+    int shown;               /* its text is the stream's first visible text */
     Py_ssize_t key;          /* which key */
     PyObject *text;          /* the decoded string, when needed; else NULL */
     Py_ssize_t chars;
@@ -191,6 +199,7 @@ static void lane_disarm(Lane *self)
     self->nkeys = 0;
     Py_CLEAR(self->write);
     Py_CLEAR(self->clock);
+    Py_CLEAR(self->check);
 }
 
 /* One payload: a token chunk of the shape, its key and (when needed) its text: 1, 0, -1. */
@@ -238,42 +247,66 @@ static int token_at(Lane *self, const char *q, Py_ssize_t size, Token *t, int ne
     return 1;
 }
 
-/* An armed read: 1 taken here, 0 for the Python path (nothing was changed), -1 error. */
-static int take(Lane *self, PyObject *data)
+/* `data[from:to]` to the client (the read itself when that is all of it): 0, -1 error. */
+static int write_span(PyObject *write, PyObject *data, const char *p, Py_ssize_t from,
+                      Py_ssize_t to, Py_ssize_t n)
+{
+    PyObject *piece;
+    if (from == 0 && to == n) {
+        piece = data;
+        Py_INCREF(piece);
+    } else if ((piece = PyBytes_FromStringAndSize(p + from, to - from)) == NULL) {
+        return -1;
+    }
+    PyObject *written = PyObject_CallFunctionObjArgs(write, piece, NULL);
+    Py_DECREF(piece);
+    if (written == NULL)
+        return -1;
+    Py_DECREF(written);
+    return 0;
+}
+
+/* An armed read: 1 taken here (the Python path takes `data[*rest:]`, nothing when *rest is
+ * its length), 0 for the Python path (nothing was changed), -1 error. */
+static int take(Lane *self, PyObject *data, Py_ssize_t *rest)
 {
     char *p;
     Py_ssize_t n;
     if (PyBytes_AsStringAndSize(data, &p, &n) < 0)
         return -1;
     Token tokens[MAX_FRAMES];
-    int count = 0, result = 0, visible = 0;
+    int count = 0, result = 0, need = !self->saw_visible;
     Py_ssize_t pos = 0, chars = 0;
+    /* first the whole read: only token chunks of the shape, or it is not touched */
     while (pos < n) {
         Token *t = &tokens[count];
         if (count == MAX_FRAMES || !frame_at(p, n, &pos, &t->start, &t->size))
             goto done;
-        int r = token_at(self, p + t->start, t->size, t, !self->saw_visible && !visible);
+        int r = token_at(self, p + t->start, t->size, t, need);
         if (r <= 0) {
             result = r;
             goto done;
         }
         count++;
-        chars += t->chars;
-        if (self->keep_texts && chars >= self->budget)
-            goto done;  /* the guard's detector looks at this one: the Python path */
-        if (t->text != NULL && self->visible[t->key] && !self->saw_visible && !visible) {
-            r = blank(t->text);
-            if (r < 0)
+        t->end = pos;
+        t->shown = 0;
+        if (need && t->text != NULL && self->visible[t->key]) {
+            if ((r = blank(t->text)) < 0)
                 goto error;
-            visible = !r;
+            t->shown = !r;
+            need = r;
         }
+        chars += t->chars;
+        if (self->keep_texts && self->check == NULL && chars >= self->budget)
+            goto done;  /* the guard's detector looks at this one, and no checkpoint: Python's */
     }
     if (count == 0)
         goto done;
-    /* the read is the stream's token chunks only: its effects kept, as the Python path has
-     * them before it writes, then the read written as it came. The write may call back into
-     * Python that ends the exchange (collecting what is kept here) and disarms the lane: the
-     * lane holds the callable it calls, and touches nothing of its shape after the call. */
+    /* the read is the stream's token chunks only: each token's effects kept, as the Python
+     * path has them, and the read written as it came (in pieces where the guard looks). A
+     * write or the checkpoint may call back into Python that ends the exchange and disarms
+     * the lane: the lane holds the callables it calls, and after a call reads only its own
+     * counters and texts. */
     PyObject *now = PyObject_CallFunctionObjArgs(self->clock, NULL);
     if (now == NULL)
         goto error;
@@ -281,24 +314,51 @@ static int take(Lane *self, PyObject *data)
     Py_DECREF(now);
     if (when == -1.0 && PyErr_Occurred())
         goto error;
-    if (self->keep_texts) {
-        for (int i = 0; i < count; i++)
-            if (PyList_Append(self->texts, tokens[i].text) < 0)
-                goto error;
-        self->budget -= chars;
-    }
     self->last_read = when;
-    self->tokens += count;
-    self->saw_visible |= visible;
-    PyObject *write = self->write;
+    PyObject *write = self->write, *check = self->check;
     Py_INCREF(write);
-    PyObject *written = PyObject_CallFunctionObjArgs(write, data, NULL);
+    Py_XINCREF(check);
+    Py_ssize_t from = 0;
+    *rest = n;
+    for (int i = 0; i < count; i++) {
+        Token *t = &tokens[i];
+        self->tokens++;
+        self->saw_visible |= t->shown;
+        if (!self->keep_texts)
+            continue;
+        if (PyList_Append(self->texts, t->text) < 0)
+            goto failed;
+        self->budget -= t->chars;
+        if (self->budget > 0 || check == NULL)
+            continue;
+        /* the guard's detector looks after this token: the read so far written, then the
+         * checkpoint, which answers the next budget (0: the Python path from here on) */
+        if (write_span(write, data, p, from, t->end, n) < 0)
+            goto failed;
+        from = t->end;
+        PyObject *next = PyObject_CallFunctionObjArgs(check, NULL);
+        if (next == NULL)
+            goto failed;
+        Py_ssize_t budget = PyLong_AsSsize_t(next);
+        Py_DECREF(next);
+        if (budget == -1 && PyErr_Occurred())
+            goto failed;
+        if (budget <= 0 || !self->armed) {
+            lane_disarm(self);
+            *rest = from;
+            break;
+        }
+        self->budget = budget;
+    }
+    if (*rest == n && from < n && write_span(write, data, p, from, n, n) < 0)
+        goto failed;
     Py_DECREF(write);
-    if (written == NULL)
-        goto error;
-    Py_DECREF(written);
+    Py_XDECREF(check);
     result = 1;
     goto done;
+failed:
+    Py_DECREF(write);
+    Py_XDECREF(check);
 error:
     result = -1;
 done:
@@ -318,14 +378,33 @@ static PyObject *Lane_call(PyObject *op, PyObject *args, PyObject *kwargs)
     if (!PyArg_UnpackTuple(args, "Lane", 1, 1, &data))
         return NULL;
     if (self->armed && PyBytes_Check(data)) {
-        /* the write may call back into Python that disarms the lane: hold the lane */
+        /* a write or the checkpoint may call back into Python that disarms the lane: hold
+         * the lane */
         Py_INCREF(op);
-        int r = take(self, data);
-        Py_DECREF(op);
+        Py_ssize_t rest = 0;
+        int r = take(self, data, &rest);
         if (r > 0) {
             taken++;
-            Py_RETURN_NONE;
+            Py_ssize_t n = PyBytes_Size(data);
+            PyObject *result = Py_None;
+            Py_INCREF(result);
+            if (rest < n) {  /* after a checkpoint: the rest of the read is the Python path's */
+                char *p;
+                PyObject *tail = NULL, *fallback = self->fallback;
+                Py_DECREF(result);
+                result = NULL;
+                if (PyBytes_AsStringAndSize(data, &p, &n) == 0
+                    && (tail = PyBytes_FromStringAndSize(p + rest, n - rest)) != NULL) {
+                    Py_INCREF(fallback);
+                    result = PyObject_CallFunctionObjArgs(fallback, tail, NULL);
+                    Py_DECREF(fallback);
+                    Py_DECREF(tail);
+                }
+            }
+            Py_DECREF(op);
+            return result;
         }
+        Py_DECREF(op);
         if (r < 0) {
             lane_disarm(self);
             return NULL;
@@ -342,10 +421,10 @@ static PyObject *Lane_call(PyObject *op, PyObject *args, PyObject *kwargs)
 static PyObject *Lane_arm(PyObject *op, PyObject *args)
 {
     Lane *self = (Lane *)op;
-    PyObject *head, *keys, *tail, *channel, *write, *clock;
+    PyObject *head, *keys, *tail, *channel, *write, *clock, *check = Py_None;
     Py_ssize_t budget;
-    if (!PyArg_ParseTuple(args, "SOSOnOO:arm", &head, &keys, &tail, &channel, &budget, &write,
-                          &clock))
+    if (!PyArg_ParseTuple(args, "SOSOnOO|O:arm", &head, &keys, &tail, &channel, &budget, &write,
+                          &clock, &check))
         return NULL;
     if (self->tokens != 0) {
         PyErr_SetString(PyExc_RuntimeError, "drain the lane before arming it again");
@@ -359,8 +438,9 @@ static PyObject *Lane_arm(PyObject *op, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "channel must be a str or None");
         return NULL;
     }
-    if (!PyCallable_Check(write) || !PyCallable_Check(clock)) {
-        PyErr_SetString(PyExc_TypeError, "write and clock must be callable");
+    if (!PyCallable_Check(write) || !PyCallable_Check(clock)
+        || (check != Py_None && !PyCallable_Check(check))) {
+        PyErr_SetString(PyExc_TypeError, "write and clock must be callable, check too or None");
         return NULL;
     }
     lane_disarm(self);
@@ -396,6 +476,10 @@ static PyObject *Lane_arm(PyObject *op, PyObject *args)
     self->write = write;
     Py_INCREF(clock);
     self->clock = clock;
+    if (check != Py_None) {
+        Py_INCREF(check);
+        self->check = check;
+    }
     self->budget = budget;
     self->armed = 1;
     Py_RETURN_NONE;
@@ -470,6 +554,7 @@ static int Lane_traverse(PyObject *op, visitproc visit, void *arg)
         Py_VISIT(self->keys[k]);
     Py_VISIT(self->write);
     Py_VISIT(self->clock);
+    Py_VISIT(self->check);
     Py_VISIT(self->texts);
     return 0;
 }
@@ -495,8 +580,9 @@ static void Lane_dealloc(PyObject *op)
 
 static PyMethodDef Lane_methods[] = {
     {"arm", Lane_arm, METH_VARARGS,
-     "arm(head, keys, tail, channel, budget, write, clock): take this shape's token chunks "
-     "until a read that is not only token chunks (or disarm)."},
+     "arm(head, keys, tail, channel, budget, write, clock, check=None): take this shape's "
+     "token chunks until a read that is not only token chunks (or disarm); `check()` at "
+     "the budget answers the next one (0: the Python path from there)."},
     {"disarm", Lane_disarm, METH_NOARGS, "Every read to the Python path until armed again."},
     {"drain", Lane_drain, METH_NOARGS,
      "drain(): (token chunks, whether one had visible text, the texts kept) taken since "

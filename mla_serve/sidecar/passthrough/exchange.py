@@ -678,7 +678,25 @@ class Exchange:
         visible = tuple((key, name, name != "reasoning") for key, name in keys)
         assert conn.lane is not None
         conn.lane.arm(head, visible, tail, channel, budget, front.transport_write(),
-                      conn.clock)  # fmt: skip
+                      conn.clock, None if channel is None else self.checkpoint)  # fmt: skip
+
+    def checkpoint(self) -> int:
+        """The lane's texts reached the guard's next check: what it took is counted and the
+        detector looks (guard.took), after the same token as through `body`. The next
+        budget, or 0 when the Python path takes the stream's next tokens (the guard stopped
+        the stream here, or found its loop, after which no text is kept)."""
+        conn = self.conn
+        guard = self.guard
+        if conn is None or guard is None or self.finished or self.ended:
+            return 0
+        conn.drain()  # -> took -> guard.took, which checks
+        if guard.stopped:
+            self._stop(None)
+            return 0
+        watch = guard.watches[0]
+        if watch.loop is not None:
+            return 0
+        return guard.config.check_every - watch.detector.fresh
 
     def took(self, taken: upstream.Taken) -> None:
         """What the lane took (token chunks written to the client): counted as `_token`
