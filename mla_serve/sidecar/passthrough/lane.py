@@ -7,9 +7,9 @@ stream's shape, writes it to the client as vLLM framed it, and keeps on its own 
 the Python path would have done with it: the tokens taken, whether a visible one was among
 them, their texts for the runaway guard's detector. The exchange collects that (`drain`)
 before any read it handles itself, at the end of the response, and where the texts reach
-the detector's next check (the lane calls the exchange's `checkpoint` there). Anything else disarms the
-lane and goes to the Python method (`fallback`). Without a C compiler the package installs
-without it (`BUILT` is False) and every read is Python's, with the same effects.
+the detector's next check (the lane calls the exchange's `checkpoint` there). Anything else
+disarms the lane and goes to the Python method (`fallback`). Without a C compiler the package
+installs without it (`BUILT` is False) and every read is Python's, with the same effects.
 """
 
 from __future__ import annotations
