@@ -48,15 +48,15 @@ def test_a_trickled_body_ends_at_the_body_deadline(front, attack, name):
     check.done()
 
 
-@pytest.mark.parametrize("name", [*FRONTS, "aiohttp"])
+@pytest.mark.parametrize("name", [*FRONTS, "unclassified"])
 def test_a_trickled_response_ends_at_the_response_deadline(front, fake, attack, name):
     """vLLM (or anything at its address) trickling a whole response's body, a byte within
     every --stream-idle-timeout, kept the exchange (and what it keeps to classify) open
     for as long as it liked. Streams have no such deadline."""
     check = attack(f"vLLM trickles a whole response a byte every 0.3 s ({name})", "deadlines")
-    one = front["fast" if name == "aiohttp" else name]
+    one = front["fast" if name == "unclassified" else name]
     before = one.sidecar.metric("mla_serve_truncated_responses_total")
-    if name == "aiohttp":  # a route the pass-through does not classify: aiohttp's client
+    if name == "unclassified":  # a route the pass-through relays without classifying it
         data = post(
             "/v1/responses",
             json.dumps({"model": MODEL, "input": "[bodytrickle]", "stream": False}).encode(),
@@ -72,7 +72,7 @@ def test_a_trickled_response_ends_at_the_response_deadline(front, fake, attack, 
     check.check(0.7 <= reply.seconds < 3, f"cut after {reply.seconds:.1f} s")
     cut = one.sidecar.metric("mla_serve_truncated_responses_total") - before
     check.check(cut == 1, f"{cut} truncations counted")
-    if name != "aiohttp":  # a stream outlives the deadline: 0.1 s an event, about 1.1 s
+    if name != "unclassified":  # a stream outlives the deadline: 0.1 s an event, about 1.1 s
         path = f"{one.sidecar.url}{CHAT}"
         headers = dict(line.split(": ", 1) for line in one.headers)
         stream = httpx.post(path, json=ask("[slow] hi", stream=True), headers=headers, timeout=10)
