@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 
 import hatch_build
 from mla_serve.sidecar import settings as settings_
-from mla_serve.sidecar.guard.loops import LoopGuard, ResponseGuard
+from mla_serve.sidecar.guard.loops import LoopGuard, ResponseGuard, TailDetector
 from mla_serve.sidecar.passthrough import lane as lane_
 from mla_serve.sidecar.passthrough import upstream
 from mla_serve.sidecar.passthrough.exchange import PassThrough
@@ -378,6 +378,31 @@ def test_a_client_paused_inside_a_read_the_same_either_way(paused_at) -> None:
     Python path, and the guard counts and checks the same."""
     reads = cuts(vllm_stream(thinking(40)), "pairs")
     assert same(reads, paused_at=paused_at) > 0
+
+
+def test_a_guard_that_fails_ends_the_stream_the_same_either_way(monkeypatch, caplog) -> None:
+    """A bug in the guard's check (raised at its third look) ends that response with an error
+    event after the token it looked at, the same through the lane's checkpoint as through
+    the Python path, and the connection's loop goes on (nothing raised out of it)."""
+    original = TailDetector.check
+    looks: list[int] = []
+
+    def failing(self: TailDetector) -> tuple[int, int] | None:
+        looks.append(1)
+        if len(looks) == 3:
+            raise RuntimeError("the detector failed")
+        return original(self)
+
+    monkeypatch.setattr(TailDetector, "check", failing)
+    reads = cuts(vllm_stream(thinking(40)), "each")
+    python = run(False, reads)
+    looks.clear()
+    lane = run(True, reads)
+    assert lane.pop("taken") > 0 and python.pop("taken") == 0
+    assert lane == python
+    failed = b"the sidecar failed on vLLM's response: RuntimeError: the detector failed"
+    assert failed in lane["body"]
+    assert caplog.text.count("classifying a response failed") == 2
 
 
 def lane_writes(writes: int) -> int:

@@ -608,26 +608,26 @@ class Exchange:
             return
         shape = self.shape
         splitter = self.splitter
-        if shape is not None and not splitter.pieces and not splitter.skipping:  # type: ignore[union-attr]
-            found = shape.match(data)
-            if (
-                found is not None
-            ):  # a token chunk: choice 0 visible on visible text, the guard's token
-                self.batch.append(data)
-                channel, text = found
-                choice = self.choice
-                if channel != "reasoning" and not choice.visible and text.strip():  # type: ignore[union-attr]
-                    choice.visible = True  # type: ignore[union-attr]
-                guard = self.guard
-                if guard is not None and guard.add_token(0, channel, text):
-                    self._stop(None)
-                return
-        try:
+        try:  # a bug must end this response, not the connection's loop
+            if shape is not None and not splitter.pieces and not splitter.skipping:  # type: ignore[union-attr]
+                found = shape.match(data)
+                if (
+                    found is not None
+                ):  # a token chunk: choice 0 visible on visible text, the guard's token
+                    self.batch.append(data)
+                    channel, text = found
+                    choice = self.choice
+                    if channel != "reasoning" and not choice.visible and text.strip():  # type: ignore[union-attr]
+                        choice.visible = True  # type: ignore[union-attr]
+                    guard = self.guard
+                    if guard is not None and guard.add_token(0, channel, text):
+                        self._stop(None)
+                    return
             if self.splitter is not None:
                 out = self._stream_body(data)
             else:
                 out = self._keep_body(data) if self.keep else data
-        except Exception as error:  # a bug must end this response, not the connection's loop
+        except Exception as error:
             log.exception("classifying a response failed")
             self._stop(f"the sidecar failed on vLLM's response: {why(error)}")
             return
@@ -689,7 +689,12 @@ class Exchange:
         guard = self.guard
         if conn is None or guard is None or self.finished or self.ended:
             return 0
-        conn.drain()  # -> took -> guard.took, which checks
+        try:
+            conn.drain()  # -> took -> guard.took, which checks
+        except Exception as error:  # a bug must end this response, as in `body`
+            log.exception("classifying a response failed")
+            self._stop(f"the sidecar failed on vLLM's response: {why(error)}")
+            return 0
         if guard.stopped:
             self._stop(None)
             return 0
