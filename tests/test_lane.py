@@ -94,27 +94,22 @@ def run(
         protocol.fast = front
         exchange.begin(len(body))
         exchange.take_body(body)
-        if gone_at is not None:  # the client goes away as its `gone_at`th write goes out
-            transport, keep = protocol.transport, protocol.transport.write
-
-            def write(data: bytes) -> None:
-                keep(data)
-                if len(transport.out) == gone_at:
-                    front.client_gone()
-
-            transport.write = write  # type: ignore[method-assign]
+        # The client goes away as its `gone_at`th write goes out; its buffer fills as its
+        # `paused_at`th does (asyncio calls pause_writing inside write).
+        transport, keep = protocol.transport, protocol.transport.write
         paused: list[int] = []  # the transport's writes when the client's buffer filled
-        if paused_at is not None:  # the client's buffer fills as its `paused_at`th write goes
-            transport, keep = protocol.transport, protocol.transport.write
 
-            def write(data: bytes) -> None:
-                keep(data)
-                if len(transport.out) == paused_at:  # as asyncio calls pause_writing in write
-                    paused.append(len(transport.out))
-                    protocol.flow.write_paused = True
-                    front.paused()
+        def write(data: bytes) -> None:
+            keep(data)
+            written = len(transport.out)
+            if written == gone_at:
+                front.client_gone()
+            if written == paused_at:
+                paused.append(written)
+                protocol.flow.write_paused = True
+                front.paused()
 
-            transport.write = write  # type: ignore[method-assign]
+        transport.write = write  # type: ignore[method-assign]
         exchange.body_done()
         assert exchange.conn is conn, "the request went out on the pooled connection"
         taken = lane_.taken()
@@ -403,6 +398,30 @@ def test_a_guard_that_fails_ends_the_stream_the_same_either_way(monkeypatch, cap
     failed = b"the sidecar failed on vLLM's response: RuntimeError: the detector failed"
     assert failed in lane["body"]
     assert caplog.text.count("classifying a response failed") == 2
+
+
+def test_the_lane_keeps_texts_only_with_a_checkpoint() -> None:
+    """A watched channel's texts are handed over at the guard's checks: arming with one and
+    no checkpoint (or a checkpoint and no channel) is refused, and the lane stays unarmed."""
+    lane = lane_.Lane(lambda data: None)
+    keys = ((b'"reasoning":"', "reasoning", False),)
+
+    def clock() -> float:
+        return 0.0
+
+    def write(data: bytes) -> None:
+        return None
+
+    def check() -> int:
+        return 32
+
+    with pytest.raises(TypeError, match="a watched channel needs a check"):
+        lane.arm(b"data: {", keys, b"}\n\n", "reasoning", 32, write, clock)
+    with pytest.raises(TypeError, match="a watched channel needs a check"):
+        lane.arm(b"data: {", keys, b"}\n\n", None, 32, write, clock, check)
+    assert not lane.armed
+    lane.arm(b"data: {", keys, b"}\n\n", "reasoning", 32, write, clock, check)
+    assert lane.armed
 
 
 def lane_writes(writes: int) -> int:

@@ -101,6 +101,10 @@ class TailDetector:
             return None
         return self.check()
 
+    def until_check(self) -> int:
+        """Characters of text still to come before the next check."""
+        return self.config.check_every - self.fresh
+
     def feed_all(self, text: str) -> tuple[int, int] | None:
         """Check a whole text at once: its tail only, so a loop that ran to the end."""
         self.pieces.append(text[-2 * self.config.window_chars :])
@@ -285,9 +289,7 @@ class ResponseGuard:
                     self._feed(watch, "text", text)
             if raw.get("finish_reason"):
                 watch.finished = True
-        if self.looping and self.action == "stop" and self._all_looping():
-            self.stopped = True
-        return self.stopped
+        return self._stopping()
 
     def add_token(self, index: int, channel: str, text: str) -> bool:
         """`add_chunk` for a chunk whose one choice (`index`) has a delta of one `channel`
@@ -299,9 +301,7 @@ class ResponseGuard:
         watch.tokens += 1
         if text and watch.loop is None:
             self._feed(watch, channel, text)
-        if self.looping and self.action == "stop" and self._all_looping():
-            self.stopped = True
-        return self.stopped
+        return self._stopping()
 
     def took(self, index: int, tokens: int, texts: list[str]) -> bool:
         """`add_token` for `tokens` token chunks the C lane took (lane.py): counted, and their
@@ -311,14 +311,8 @@ class ResponseGuard:
         watch = self.watches[index]
         watch.tokens += tokens
         if texts and watch.loop is None:
-            detector = watch.detector
-            detector.pieces.extend(texts)
-            detector.fresh += sum(map(len, texts))
-            if detector.fresh >= self.config.check_every:
-                self._found(watch, watch.channel, detector.check())
-        if self.looping and self.action == "stop" and self._all_looping():
-            self.stopped = True
-        return self.stopped
+            self._found(watch, watch.channel, watch.detector.feed("".join(texts)))
+        return self._stopping()
 
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
         if text.__class__ is not str or watch.loop is not None:
@@ -336,6 +330,12 @@ class ResponseGuard:
             model = self.model or "unknown"
             self.metrics.loops.labels(model, channel).inc()
             self.metrics.tokens_before.labels(model).observe(watch.tokens)
+
+    def _stopping(self) -> bool:
+        """Whether the stream stops now: action stop, and every running choice looping."""
+        if self.looping and self.action == "stop" and self._all_looping():
+            self.stopped = True
+        return self.stopped
 
     def _all_looping(self) -> bool:
         running = [watch for watch in self.watches.values() if not watch.finished]

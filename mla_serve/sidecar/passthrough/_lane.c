@@ -15,9 +15,8 @@
  * `check`, the exchange's checkpoint (it collects what the lane kept and lets the guard
  * look, as the Python path would after that token): it answers the next budget, or 0 when
  * the Python path takes the stream from the next token on (the rest of the read is handed
- * to it). Without `check` such a read is the Python path's. Anything else (a partial chunk,
- * another event, an escape JSON refuses, bytes that are not UTF-8, another channel) is not
- * touched: the lane disarms and hands the read to the Python path, which collects what the
+ * to it). Anything else (a partial chunk, another event, an escape JSON refuses, bytes
+ * that are not UTF-8, another channel) is not touched: the lane disarms and hands the read to the Python path, which collects what the
  * lane kept first. The lane reads and writes nothing but its own fields and the three
  * callables it was given.
  * The stable ABI (3.11): one build serves every CPython from 3.11 on.
@@ -45,7 +44,7 @@ typedef struct {
     Py_ssize_t budget;               /* characters of text left before the detector looks */
     PyObject *write;                 /* the client transport's write */
     PyObject *clock;                 /* the event loop's time */
-    PyObject *check;                 /* the exchange's checkpoint at the budget, or NULL */
+    PyObject *check;                 /* the exchange's checkpoint at the budget (kept texts) */
     /* what was taken since the last drain */
     Py_ssize_t tokens;
     int saw_visible;
@@ -276,7 +275,7 @@ static int take(Lane *self, PyObject *data, Py_ssize_t *rest)
         return -1;
     Token tokens[MAX_FRAMES];
     int count = 0, result = 0, need = !self->saw_visible;
-    Py_ssize_t pos = 0, chars = 0;
+    Py_ssize_t pos = 0;
     /* first the whole read: only token chunks of the shape, or it is not touched */
     while (pos < n) {
         Token *t = &tokens[count];
@@ -296,9 +295,6 @@ static int take(Lane *self, PyObject *data, Py_ssize_t *rest)
             t->shown = !r;
             need = r;
         }
-        chars += t->chars;
-        if (self->keep_texts && self->check == NULL && chars >= self->budget)
-            goto done;  /* the guard's detector looks at this one, and no checkpoint: Python's */
     }
     if (count == 0)
         goto done;
@@ -329,7 +325,7 @@ static int take(Lane *self, PyObject *data, Py_ssize_t *rest)
         if (PyList_Append(self->texts, t->text) < 0)
             goto failed;
         self->budget -= t->chars;
-        if (self->budget > 0 || check == NULL)
+        if (self->budget > 0)
             continue;
         /* the guard's detector looks after this token: the read so far written, then the
          * checkpoint, which answers the next budget (0: the Python path from here on) */
@@ -441,6 +437,10 @@ static PyObject *Lane_arm(PyObject *op, PyObject *args)
     if (!PyCallable_Check(write) || !PyCallable_Check(clock)
         || (check != Py_None && !PyCallable_Check(check))) {
         PyErr_SetString(PyExc_TypeError, "write and clock must be callable, check too or None");
+        return NULL;
+    }
+    if ((channel == Py_None) != (check == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "a watched channel needs a check, and only it");
         return NULL;
     }
     lane_disarm(self);
@@ -581,8 +581,8 @@ static void Lane_dealloc(PyObject *op)
 static PyMethodDef Lane_methods[] = {
     {"arm", Lane_arm, METH_VARARGS,
      "arm(head, keys, tail, channel, budget, write, clock, check=None): take this shape's "
-     "token chunks until a read that is not only token chunks (or disarm); `check()` at "
-     "the budget answers the next one (0: the Python path from there)."},
+     "token chunks until a read that is not only token chunks (or disarm); with a channel, "
+     "`check()` at the budget answers the next one (0: the Python path from there)."},
     {"disarm", Lane_disarm, METH_NOARGS, "Every read to the Python path until armed again."},
     {"drain", Lane_drain, METH_NOARGS,
      "drain(): (token chunks, whether one had visible text, the texts kept) taken since "

@@ -30,9 +30,9 @@ class Lane:
         string's opening quote, its channel, whether its text is visible content), a JSON
         string, `tail`; `write` each read taken as it came. `channel`: when not None, only
         that channel's tokens, their texts kept; where they reach `budget` characters, the
-        read so far is written and `check()` answers the next budget (0: the rest of the
-        read, and the reads after it, are the Python path's); without `check` such a read
-        is the Python path's."""
+        read so far is written and `check()` (given with a channel, and only then) answers
+        the next budget (0: the rest of the read, and the reads after it, are the Python
+        path's)."""
     def disarm(self) -> None: ...
     def drain(self) -> tuple[int, bool, list[str]] | None:
         """What was taken since the lane was armed or last drained: (token chunks, whether one

@@ -673,7 +673,7 @@ class Exchange:
                 if not watch.channel:
                     return  # the detector's channel is set by the first text
                 channel = watch.channel
-                budget = guard.config.check_every - watch.detector.fresh
+                budget = watch.detector.until_check()
         head, keys, tail = shape.arm_args()
         visible = tuple((key, name, name != "reasoning") for key, name in keys)
         assert conn.lane is not None
@@ -701,7 +701,7 @@ class Exchange:
         watch = guard.watches[0]
         if watch.loop is not None:
             return 0
-        return guard.config.check_every - watch.detector.fresh
+        return watch.detector.until_check()
 
     def took(self, taken: upstream.Taken) -> None:
         """What the lane took (token chunks written to the client): counted as `_token`
