@@ -58,7 +58,7 @@ def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
     """Start sidecars with the given settings on real sockets, on the sidecar's own HTTP
     protocol as `mla-serve sidecar` runs it (serve.py: the pass-through without ASGI,
     passthrough/fronts.py); returns each one's URL."""
-    from mla_serve.sidecar import serve
+    from mla_serve.sidecar import uvicorn_adapter
     from mla_serve.sidecar.app import create_app
     from tests.http_server import ServerThread
 
@@ -66,7 +66,7 @@ def serve_sidecar() -> Iterator[Callable[[Settings], str]]:
 
     def start(settings: Settings) -> str:
         app = create_app(settings)
-        http = serve.protocol("auto", settings, app)
+        http = uvicorn_adapter.protocol("auto", settings, app)
         servers.append(ServerThread(app, http=http).start())
         return servers[-1].url
 

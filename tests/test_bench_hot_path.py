@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_serve.sidecar.passthrough.exchange import Exchange
+from mla_serve.sidecar.passthrough.response import Reader
 from tests.bench import bench_hot_path
 
 
@@ -30,11 +30,11 @@ def test_the_hot_path_bench_measures_real_streams(tmp_path: Path) -> None:
 
 
 def test_the_hot_path_bench_fails_on_changed_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = Exchange._event
+    original = Reader._event
 
-    def dropping(self: Exchange, raw: bytes, data: bytes, whole: bool = False) -> bytes:
+    def dropping(self: Reader, raw: bytes, data: bytes, whole: bool = False) -> bytes:
         kept = original(self, raw, data, whole)
         return b"" if b'"usage"' in raw else kept  # a usage event the client asked for, lost
 
-    monkeypatch.setattr(Exchange, "_event", dropping)
+    monkeypatch.setattr(Reader, "_event", dropping)
     assert bench_hot_path.main(["--repeats", "1", "--scale", "1"]) == 1

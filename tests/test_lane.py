@@ -119,6 +119,8 @@ def run(
         if not conn.closed:
             conn.connection_lost(None)
         taken = lane_.taken() - taken
+        reader = exchange.reader
+        assert reader is not None
         # what the client gets: the transport's bytes, then what waits for it to read
         wire = b"".join(protocol.transport.out) + b"".join(front.pending)
         head, _, rest = wire.partition(b"\r\n\r\n")
@@ -126,9 +128,9 @@ def run(
             "head": head,
             "body": dechunk(rest),
             "completed": protocol.completed,
-            "ended": exchange.ended,
-            "choices": {i: vars(c) for i, c in exchange.completion.choices.items()},
-            "guard": guard_state(exchange.guard),
+            "phase": exchange.phase,
+            "choices": {i: vars(c) for i, c in reader.completion.choices.items()},
+            "guard": guard_state(reader.guard),
             "metrics": sorted(
                 (s.name, tuple(sorted(s.labels.items())), s.value)
                 for metric in registry.collect()

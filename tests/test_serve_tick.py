@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from mla_serve.sidecar.serve import Server
+from mla_serve.sidecar.uvicorn_adapter import Server
 from tests.http_server import free_port
 
 

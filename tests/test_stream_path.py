@@ -18,18 +18,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from mla_serve.sidecar import serve
+from mla_serve.sidecar import uvicorn_adapter
 from mla_serve.sidecar.app import create_app
 from mla_serve.sidecar.settings import Settings
 from tests.hostile import wire
 from tests.hostile.wire import dechunk
 from tests.http_server import ServerThread
 from tests.scrape import count
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = "glm-5.3-flash"
 Plan = list[tuple[bytes, float]]  # raw bytes to write, then seconds to wait
@@ -190,12 +193,15 @@ def sidecar(request: pytest.FixtureRequest, scripted: Scripted) -> Iterator[Call
     def start(keep_alive: int = 5, **overrides: Any) -> str:
         if request.param == "sidecar-python":
             overrides.setdefault("lane", "off")
+        # The scripted vLLM lists no model: the series' model label is the one the settings
+        # name (labels.py: no other value is a label).
+        overrides.setdefault("model", MODEL)
         settings = Settings(vllm_url=scripted.url, poll_interval=0.2, stream_idle_timeout=2.0,
                             **overrides)  # fmt: skip
         app = create_app(settings)
         http: Any = request.param
         if http.startswith("sidecar"):
-            http = serve.protocol("httptools", settings, app)
+            http = uvicorn_adapter.protocol("httptools", settings, app)
         servers.append(ServerThread(app, http=http, keep_alive=keep_alive).start())
         return servers[-1].url
 
@@ -252,7 +258,7 @@ def test_odd_chunkings_pass_unchanged_and_count_once(sidecar, scripted, case: st
     scripted.plans.append(plan)
     received = stream(url)
     assert received == sent
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason=finish) == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason=finish) == 1
     assert count(url, "mla_serve_unparsed_events_total") == 0
     assert count(url, "mla_serve_truncated_responses_total") == 0
 
@@ -263,7 +269,7 @@ def test_the_usage_the_sidecar_asked_for_is_dropped_across_odd_reads(sidecar, sc
     received = stream(url, include_usage=False)
     assert received == CRLF.replace(usage(b"\r\n\r\n"), b"")
     assert json.loads(scripted.requests[-1])["stream_options"] == {"include_usage": True}
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
 
 
 @pytest.mark.parametrize("cut", [b'"the ans', b"data: [DO", b"}\n"])
@@ -313,9 +319,9 @@ def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, 
     """Three streams in a row on one sidecar; between them the upstream closes the kept
     connection (as uvicorn does after its keep-alive timeout): the next request must not
     fail for it."""
-    settings = Settings(vllm_url=scripted.url, poll_interval=30)
+    settings = Settings(vllm_url=scripted.url, poll_interval=30, model=MODEL)
     app = create_app(settings)
-    protocol = serve.protocol(http, settings, app)
+    protocol = uvicorn_adapter.protocol(http, settings, app)
     server = ServerThread(app, http=protocol if http == "sidecar" else http).start()
     try:
         scripted.plans.append(plan_of(LF, [LF]))
@@ -325,7 +331,7 @@ def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, 
         scripted.plans.append(plan_of(LF, [LF]))
         assert stream(server.url) == LF
         assert count(server.url, "mla_serve_completions_total", model=MODEL,
-                     finish_reason="stop") == 3  # fmt: skip
+                     finished_reason="stop") == 3  # fmt: skip
     finally:
         server.stop()
 
@@ -379,7 +385,7 @@ def test_pipelined_requests_are_answered_in_order(sidecar, scripted):
         replies = _responses(sock, 3)
     assert [head.split(b" ", 2)[1] for head, _ in replies] == [b"200"] * 3
     assert [body for _, body in replies] == [LF] * 3
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 3
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 3
 
 
 def test_an_answer_in_the_read_of_the_next_request_keeps_the_connection(sidecar, scripted):
@@ -429,7 +435,7 @@ def test_a_slow_reader_gets_every_byte_and_holds_vllm_back(sidecar, scripted):
     head, _, chunked = bytes(wire).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and dechunk(chunked) == body
     assert scripted.written[-1] > reading
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
 
 
 def test_a_chunked_request_body_over_the_limit_is_refused(sidecar, scripted):
@@ -456,22 +462,42 @@ def test_a_chunked_request_body_over_the_limit_is_refused(sidecar, scripted):
 )
 def test_the_own_front_runs_on_the_uvicorn_it_is_written_for(monkeypatch, caplog, version, served):
     """The front that serves without ASGI uses uvicorn's httptools protocol's own attributes:
-    on a uvicorn outside the releases it is written for (each bound checked), every request
-    goes through ASGI, and the sidecar says so."""
+    on a uvicorn outside the releases it is written for (each bound checked), the sidecar
+    serves on h11, every request through ASGI, and says so."""
     settings = Settings(vllm_url="http://127.0.0.1:9")
     app = create_app(settings)
-    monkeypatch.setattr(serve, "installed_version", lambda name: version)
+    monkeypatch.setattr(uvicorn_adapter, "installed_version", lambda name: version)
     with caplog.at_level("WARNING", logger="mla_serve.sidecar"):
-        chosen = serve.protocol("httptools", settings, app)
-    assert (chosen.router is app) is served  # type: ignore[attr-defined]
-    assert ("goes through ASGI" in caplog.text) is not served
-    assert serve.uvicorn_supported(version) is served
+        chosen = uvicorn_adapter.protocol("httptools", settings, app)
+    assert issubclass(chosen, uvicorn_adapter.LimitedHttpTools) is served
+    assert issubclass(chosen, uvicorn_adapter.LimitedH11) is not served
+    if served:
+        assert chosen.router is app  # type: ignore[attr-defined]
+    assert ("every request through ASGI" in caplog.text) is not served
+    assert uvicorn_adapter.uvicorn_supported(version) is served
+
+
+def test_the_package_admits_only_the_uvicorn_the_front_is_written_for() -> None:
+    """pyproject.toml's uvicorn range is SUPPORTED_UVICORN, bound for bound."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (spec,) = [
+        dep[len("uvicorn") :] for dep in project["dependencies"] if dep.startswith("uvicorn")
+    ]
+    (major, minor, _), high = uvicorn_adapter.SUPPORTED_UVICORN
+    admitted = SpecifierSet(spec)
+    assert f"{major}.{minor}.0" in admitted and f"{major}.{minor}.99" in admitted
+    assert f"{major}.{minor - 1}.99" not in admitted
+    assert ".".join(map(str, high)) not in admitted
 
 
 def test_the_uvicorn_installed_is_one_the_front_is_written_for() -> None:
     from importlib.metadata import version
 
-    assert serve.uvicorn_supported(version("uvicorn")), version("uvicorn")
+    assert uvicorn_adapter.uvicorn_supported(version("uvicorn")), version("uvicorn")
 
 
 # -- the token classifier: a token chunk taken by its shape is the same as parsed whole -----
@@ -485,7 +511,11 @@ class _Front:
     def __init__(self) -> None:
         self.out: list[bytes] = []
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: bool) -> None:
+    ready = True
+
+    def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], length: bool, close: bool
+    ) -> None:
         pass
 
     def write(self, data: bytes) -> bool:
@@ -520,7 +550,9 @@ def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes],
     from prometheus_client import CollectorRegistry
 
     from mla_serve.sidecar.guard.loops import LoopConfig, LoopGuard, LoopPolicy
+    from mla_serve.sidecar.passthrough.classify import Request
     from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+    from mla_serve.sidecar.passthrough.phases import Phase
     from mla_serve.sidecar.passthrough.runaways import Ledger
 
     async def run() -> tuple[object, list[bytes], int]:
@@ -531,21 +563,24 @@ def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes],
                               loops, registry)  # fmt: skip
         front = _Front()
         exchange = Exchange(service, front, b"POST", "/v1/chat/completions", b"", [], "", b"http")
-        exchange.reading = False
-        exchange.guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, exchange.path)
+        guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, exchange.path)
+        exchange.request = Request(model=MODEL, stream=True, guard=guard)
+        exchange.phase = Phase.SENT  # as if its request went out
         exchange.head(200, [(b"content-type", b"text/event-stream")])
+        reader = exchange.reader
+        assert reader is not None
         taken = 0
         for event in events:
             if not by_shape:
-                exchange.shape = None
-            learnt = exchange.shape
+                reader.shape = None
+            learnt = reader.shape
             if learnt is not None and learnt.match(event) is not None:
                 taken += 1
             exchange.body(event)
             exchange.fed()
-            if exchange.finished:
+            if exchange.phase is Phase.DONE:
                 break
-        state = _state(exchange.completion, exchange.guard)
+        state = _state(reader.completion, reader.guard)
         exchange.close()
         return state, front.out, taken
 

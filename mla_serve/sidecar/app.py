@@ -23,6 +23,7 @@ from mla_serve.sidecar.guard.loops import LoopGuard
 from mla_serve.sidecar.passthrough import fronts, lane
 from mla_serve.sidecar.passthrough.exchange import PassThrough
 from mla_serve.sidecar.passthrough.fronts import QuietAborts, Receive, Scope, Send
+from mla_serve.sidecar.passthrough.labels import Labels
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
 
@@ -55,8 +56,12 @@ class Sidecar:
             api_key=settings.vllm_api_key,
             model=settings.model,
         )
-        ledger = Ledger(registry, "mla_serve_")
-        loops = LoopGuard(settings.check().loop_policy, registry)
+        policy = settings.check().loop_policy
+        # Series by model: only the models vLLM serves or the settings name (labels.py).
+        named = (settings.model, settings.canary_model, *policy.model_actions)
+        labels = Labels(lambda: monitor.snapshot.models, [name for name in named if name])
+        ledger = Ledger(registry, "mla_serve_", labels=labels)
+        loops = LoopGuard(policy, registry, labels)
         passthrough = PassThrough(settings, ledger, loops, registry)
         canary = None
         if settings.canary_prompt_file is not None:
@@ -67,7 +72,7 @@ class Sidecar:
                 concurrency=settings.canary_concurrency,
                 max_tokens=settings.canary_max_tokens,
                 timeout=settings.upstream_timeout,
-                ledger=Ledger(registry, "mla_serve_canary_"),
+                ledger=Ledger(registry, "mla_serve_canary_", labels=labels),
                 monitor=monitor,
                 api_key=settings.vllm_api_key,
             )
@@ -110,6 +115,7 @@ class Sidecar:
             self.settings.model,
             stale_after=stale_after,
             monitor_error=self.task_errors.get("vllm-monitor"),
+            draining=self.passthrough.draining,
         )
 
     def view(self) -> View:

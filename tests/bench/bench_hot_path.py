@@ -94,7 +94,8 @@ class ServerState:
 
 
 class Protocol:
-    """What the transport front uses of the sidecar's httptools protocol."""
+    """What the transport front uses of the sidecar's httptools protocol (fronts.FrontClient),
+    and the request's head as the protocol parsed it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, body_length: int) -> None:
         self.loop = loop
@@ -107,7 +108,12 @@ class Protocol:
         self.fast: Any = None
         self.completed = 0
 
-    def on_response_complete(self) -> None:
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        return self.server_state.default_headers
+
+    def front_done(self, front: Any) -> None:
+        if self.fast is front:
+            self.fast = None
         self.completed += 1
 
 
@@ -221,6 +227,20 @@ def transport_of(exchange: Exchange) -> Transport:
     return exchange.front.transport  # type: ignore[attr-defined,no-any-return]
 
 
+def chunked(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """vLLM's recorded headers with `transfer-encoding: chunked` once (the pass-through
+    refuses chunked applied twice, RFC 9112 section 6.1)."""
+    if any(name.lower() == b"transfer-encoding" for name, _ in headers):
+        return headers
+    return [*headers, (b"transfer-encoding", b"chunked")]
+
+
+def shape_of(exchange: Exchange) -> Any:
+    """The stream's token shape as learnt so far (None before it is)."""
+    reader = exchange.reader
+    return None if reader is None else reader.shape
+
+
 # msgspec's typed decoder in place of the token shape: a library vLLM's image carries, on the
 # same reads (a chunk decoded into these structs, then checked to be a token chunk).
 class _Delta(msgspec.Struct):
@@ -298,7 +318,7 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
         exchange = hot.request(stream)
         exchange.head(200, stream["headers"])
         for data in stream["reads"]:
-            shape = exchange.shape
+            shape = shape_of(exchange)
             tokens += shape is not None and shape.match(data) is not None
             exchange.body(data)
             exchange.fed()
@@ -329,7 +349,7 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
         exchange.head(200, stream["headers"])
         token_reads = []
         for data in stream["reads"]:
-            shape = exchange.shape
+            shape = shape_of(exchange)
             if shape is not None and shape.match(data) is not None:
                 token_reads.append(data)
             exchange.body(data)
@@ -394,16 +414,16 @@ def per_token_read(
         exchange = hot.request(stream)
         conn = exchange.conn
         assert conn is not None
-        conn.data_received(response_head([*stream["headers"],
-                                          (b"transfer-encoding", b"chunked")]))  # fmt: skip
+        conn.data_received(response_head(chunked(stream["headers"])))
         token_reads = []
         for data in stream["reads"]:
-            shape = exchange.shape
+            shape = shape_of(exchange)
             if shape is not None and shape.match(data) is not None:
                 token_reads.append(frame(data))
             conn.data_received(frame(data))
-        if way == "msgspec" and exchange.shape is not None:
-            exchange.shape = MsgspecShape(exchange.shape)  # type: ignore[assignment]
+        reader = exchange.reader
+        if way == "msgspec" and reader is not None and reader.shape is not None:
+            reader.shape = MsgspecShape(reader.shape)  # type: ignore[assignment]
         transport_of(exchange).out.clear()
         setups.append((conn, token_reads))
     count = sum(len(reads) for _, reads in setups) * scale

@@ -35,7 +35,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard, LoopPolicy
+from mla_serve.sidecar.passthrough.classify import Request
 from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+from mla_serve.sidecar.passthrough.phases import Phase
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.settings import Settings
 from tests.bench.bench_passthrough import LOADGEN, MODEL, ROOT, UPSTREAM, run_loadgen
@@ -172,10 +174,12 @@ async def _hot_path(texts: dict[str, str], repeat: int) -> dict[str, Any]:
             for mode in ("off", "observe"):
                 exchange = Exchange(service, _Front(), b"POST", "/v1/chat/completions", b"", [],
                                     "", b"http")  # fmt: skip
-                exchange.reading = False
+                watch = None
                 if mode == "observe":
-                    exchange.guard = guard.watch({"model": MODEL, "max_tokens": 100000},
-                                                 "/v1/chat/completions")  # fmt: skip
+                    watch = guard.watch({"model": MODEL, "max_tokens": 100000},
+                                        "/v1/chat/completions")  # fmt: skip
+                exchange.request = Request(model=MODEL, stream=True, guard=watch)
+                exchange.phase = Phase.SENT  # as if its request went out
                 exchange.head(200, [(b"content-type", b"text/event-stream")])
                 started = time.process_time()
                 for event in events:
@@ -196,8 +200,11 @@ class _Front:
     """Where the exchange's bytes would go: nowhere (the guard's cost is what is measured)."""
 
     direct = False
+    ready = True
 
-    def start(self, status: int, headers: list[tuple[bytes, bytes]], length: bool) -> None:
+    def start(
+        self, status: int, headers: list[tuple[bytes, bytes]], length: bool, close: bool
+    ) -> None:
         pass
 
     def write(self, data: bytes) -> bool:

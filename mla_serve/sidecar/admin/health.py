@@ -26,10 +26,14 @@ def readiness(
     model: str | None,
     stale_after: float | None = None,
     monitor_error: str | None = None,
+    draining: bool = False,
 ) -> Verdict:
-    """Ready only when vLLM is healthy (checked recently), serves the model, and the fixes
-    verify."""
+    """Ready only when vLLM is healthy (checked recently), serves the model, the fixes
+    verify, and the sidecar is not draining (SIGTERM came: the pod is going away, so no new
+    traffic should be sent its way, while what is in flight is still served)."""
     checks: dict[str, dict[str, Any]] = {}
+    if draining:
+        checks["draining"] = {"ok": False, "detail": "the sidecar is shutting down (SIGTERM)"}
     age = None if vllm.checked_at is None else time.time() - vllm.checked_at
     if stale_after is not None and age is not None and age > stale_after:
         why = f"vLLM last checked {age:.0f} s ago" + (

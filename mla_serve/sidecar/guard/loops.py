@@ -37,6 +37,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from mla_serve.sidecar.passthrough.labels import Labels
 from mla_serve.sidecar.passthrough.runaways import Completion, Usage
 
 ACTIONS = ("off", "observe", "stop")
@@ -215,12 +216,19 @@ class LoopPolicy:
         return changed
 
     def watch(
-        self, request: Mapping[str, Any], model: str | None, metrics: LoopMetrics, chat: bool
+        self,
+        request: Mapping[str, Any],
+        model: str | None,
+        metrics: LoopMetrics,
+        chat: bool,
+        label: str = "unknown",
     ) -> ResponseGuard | None:
+        """The guard of the response to `request` for `model` (its metrics labelled `label`,
+        a bounded value: labels.Labels); None when the guard is off for that model."""
         action = self.action_for(model)
         if action == "off":
             return None
-        return ResponseGuard(self.config, action, model, _max_tokens(request, chat), metrics)
+        return ResponseGuard(self.config, action, label, _max_tokens(request, chat), metrics)
 
 
 def _max_tokens(request: Mapping[str, Any], chat: bool) -> int | None:
@@ -240,13 +248,13 @@ class ResponseGuard:
         self,
         config: LoopConfig,
         action: str,
-        model: str | None,
+        label: str,
         max_tokens: int | None,
         metrics: LoopMetrics,
     ) -> None:
         self.config = config
         self.action = action
-        self.model = model
+        self.label = label  # the model, as its metrics' label (bounded: labels.Labels)
         self.max_tokens = max_tokens
         self.metrics = metrics
         self.watches: dict[int, _Watch] = {}
@@ -314,6 +322,25 @@ class ResponseGuard:
             self._found(watch, watch.channel, watch.detector.feed("".join(texts)))
         return self._stopping()
 
+    def lane(self) -> tuple[str | None, int] | None:
+        """The guard's terms for the C lane (lane.py), which takes choice 0's token chunks
+        without showing each to `add_token`: None when each must be shown (the stream's head
+        not seen yet, the stream stopped, a loop found under action stop, where every token
+        decides whether the stream ends, or choice 0's channel not yet set by a first text);
+        else (the channel whose texts the lane keeps for the detector, None once choice 0
+        loops and no text is looked at; the characters of text until the detector's next
+        check, where the lane hands its texts over: `took`)."""
+        watch = self.watches.get(0)
+        if watch is None or not self.head or self.stopped:
+            return None
+        if self.looping and self.action == "stop":
+            return None
+        if watch.loop is not None:
+            return None, 1 << 62
+        if not watch.channel:
+            return None
+        return watch.channel, watch.detector.until_check()
+
     def _feed(self, watch: _Watch, channel: str, text: Any) -> None:
         if text.__class__ is not str or watch.loop is not None:
             return
@@ -327,9 +354,8 @@ class ResponseGuard:
         if found is not None:
             watch.loop = Loop(found[0], found[1], channel, watch.tokens)
             self.looping += 1
-            model = self.model or "unknown"
-            self.metrics.loops.labels(model, channel).inc()
-            self.metrics.tokens_before.labels(model).observe(watch.tokens)
+            self.metrics.loops.labels(self.label, channel).inc()
+            self.metrics.tokens_before.labels(self.label).observe(watch.tokens)
 
     def _stopping(self) -> bool:
         """Whether the stream stops now: action stop, and every running choice looping."""
@@ -345,7 +371,7 @@ class ResponseGuard:
         """The SSE events that end a stopped stream: each looping choice's final chunk with
         `finish_reason: "length"`, `stop_reason: "loop_detected"` and the `loop_guard`
         marker, the usage chunk when the client asked for one, then `[DONE]`."""
-        model = self.model or "unknown"
+        model = self.label
         chat = self.head.get("object") == "chat.completion.chunk"
         events = []
         for index, watch in sorted(self.watches.items()):
@@ -388,7 +414,7 @@ class ResponseGuard:
             watch = self.watches.setdefault(index, _Watch(TailDetector(self.config)))
             watch.finished = True
             watch.loop = loop
-            self.metrics.loops.labels(self.model or "unknown", loop.channel).inc()
+            self.metrics.loops.labels(self.label, loop.channel).inc()
 
     # -- the runaway classifier ------------------------------------------------------------
     def settle(self, completion: Completion) -> None:
@@ -431,9 +457,12 @@ def final_loops(body: Mapping[str, Any], config: LoopConfig) -> dict[int, Loop]:
 class LoopGuard:
     """The pass-through's hook: the policy and the metrics, one per sidecar."""
 
-    def __init__(self, policy: LoopPolicy, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, policy: LoopPolicy, registry: CollectorRegistry, labels: Labels | None = None
+    ) -> None:
         self.policy = policy
         self.metrics = LoopMetrics(registry)
+        self.labels = labels if labels is not None else Labels()
 
     def prepare(self, request: dict[str, Any]) -> bool:
         """Set vLLM-side defaults on a request; True when the body must be re-encoded."""
@@ -443,4 +472,5 @@ class LoopGuard:
         """A guard for the response to `request` (None when the guard is off for its model)."""
         model = request.get("model")
         model = model if isinstance(model, str) else None
-        return self.policy.watch(request, model, self.metrics, path == "/v1/chat/completions")
+        chat = path == "/v1/chat/completions"
+        return self.policy.watch(request, model, self.metrics, chat, self.labels.model(model))

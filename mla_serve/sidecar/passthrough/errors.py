@@ -3,7 +3,8 @@
 Every answer the sidecar gives instead of vLLM is an OpenAI-style error document, as vLLM's
 own are (`error_body`): a request refused before vLLM (`Refused`: its status, message and
 type), vLLM unreachable (503), silent until the response deadline (504), or broken before
-its head (502) (`upstream_failure`). After vLLM's head has gone out, a stream that breaks off
+its head (502) (`upstream_failure`, whose messages name no address of vLLM's), or the
+sidecar shutting down (503). After vLLM's head has gone out, a stream that breaks off
 ends with an error event (`error_event`); any other body is cut off (the client sees the
 connection end, never a clean but short body). Answers to a request not read whole close the
 connection (`CLOSING`), and a 503 says when to retry.
@@ -36,13 +37,13 @@ def error_body(status: int, message: str, kind: str) -> bytes:
     ).encode()
 
 
-def upstream_failure(kind: str, upstream: str, detail: str) -> Refused:
+def upstream_failure(kind: str, detail: str) -> Refused:
     """vLLM failed before its response's head: `unreachable` (503: connecting failed, `detail`
     says how), `timeout` (504: no head within `detail` seconds), `broken` (502: the connection
-    failed after the request went out, `detail` says how)."""
+    failed after the request went out, `detail` says how). The message names no address of
+    vLLM's: the client has no business with the pod's insides (the sidecar's log has it)."""
     if kind == "unreachable":
-        return Refused(503, f"vLLM is not reachable at {upstream}: {detail}",
-                       "upstream_unavailable")  # fmt: skip
+        return Refused(503, f"vLLM is not reachable: {detail}", "upstream_unavailable")
     if kind == "timeout":
         return Refused(504, f"vLLM sent no response within {detail} s", "upstream_timeout")
     return Refused(502, f"vLLM failed before responding: {detail}", "upstream_error")

@@ -1,18 +1,21 @@
 """Where an exchange meets its client: two thin fronts over the one exchange.
 
-`TransportFront`: the sidecar's own HTTP protocol (serve.LimitedHttpTools, uvicorn's
-httptools protocol with the sidecar's limits) hands a pass-through request to an exchange
-from its parser's callbacks, without ASGI (`take`), and the exchange's answer is written
+`TransportFront`: on the sidecar's own HTTP protocol (uvicorn's httptools protocol with the
+sidecar's limits, sidecar/uvicorn_adapter.py), every pass-through request is handed to an
+exchange from the parser's callbacks, without ASGI, and the exchange's answer is written
 straight onto the client's transport, in HTTP/1.1 chunked coding as uvicorn would frame it
 (HTTP/1.0: as it comes, the connection closed at its end). No scope, task, future or message
-per request. It stands in for uvicorn's request-response cycle on the protocol while it
-runs (`response_complete`, `keep_alive`, `disconnected`).
+per request. A request pipelined behind another waits (`ready` False: its writes are held,
+its exchange QUEUED) until the response before it has gone out (`activate`); one with
+`Expect: 100-continue` gets its `100 Continue` when its body is wanted. What it needs of its
+connection is `FrontClient`, which the adapter's protocol provides.
 
-`AsgiFront`: every request the transport front does not take (h11, which has no such
-callbacks; a request pipelined behind another; `Expect: 100-continue`; an upgrade; a uvicorn
-whose protocol the transport front does not know, see serve.py) comes through ASGI
-(`PassThrough.__call__` builds it) to the same exchange; this request's task sends what the
-exchange's callbacks queue, reads the body, and notices a client that leaves.
+`AsgiFront`: under h11 (`--http h11`, or a uvicorn release the adapter is not written for),
+which has no such callbacks, every request comes through ASGI (`serve`) to the same
+exchange; this request's task sends what the exchange's callbacks queue (h11 frames it,
+HTTP/1.0 by the connection's end), reads the body, and notices a client that leaves.
+Back-pressure both ways: a queue over the high-water mark pauses vLLM, and each send waits
+for the client's transport.
 
 Both answer the same way: the exchange decides everything; a front only frames and writes.
 """
@@ -24,13 +27,11 @@ import http
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
-from urllib.parse import unquote
-
-import httptools
+from typing import Any, Protocol
 
 from mla_serve.sidecar.passthrough import errors
 from mla_serve.sidecar.passthrough.exchange import Exchange, Headers, PassThrough
+from mla_serve.sidecar.passthrough.phases import Phase
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,6 +43,7 @@ STATUS_LINE = {
     for status in http.HTTPStatus
 }
 LAST_CHUNK = b"0\r\n\r\n"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 HIGH_WATER = Exchange.HIGH_WATER
 
 
@@ -50,7 +52,7 @@ def _status_line(status: int) -> bytes:
     return line if line is not None else b"HTTP/1.1 %d \r\n" % status
 
 
-def _length(headers: Headers) -> int | None:
+def length_of(headers: Headers) -> int | None:
     """The request's Content-Length when it is a plain number (others are refused by the
     parser), else None."""
     for name, value in headers:
@@ -59,21 +61,23 @@ def _length(headers: Headers) -> int | None:
     return None
 
 
-def _path(raw: bytes) -> str:
-    """The request's path as uvicorn gives it to ASGI (percent-decoded once); a path that is
-    not ASCII is given as it is, for the pass-through's route check to refuse."""
-    try:
-        path = raw.decode("ascii")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")
-    return unquote(path) if "%" in path else path
-
-
-def _has_body(headers: Headers) -> bool:
+def has_body(headers: Headers) -> bool:
     for name, value in headers:
         if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
             return True
     return False
+
+
+class FrontClient(Protocol):
+    """What a transport front needs of the connection it serves (uvicorn_adapter.py): its
+    transport and flow control (`flow.write_paused`: the transport is over its high-water
+    mark), the server's default headers, and to be told when its response went out."""
+
+    transport: Any
+    flow: Any
+
+    def default_headers(self) -> Headers: ...  # the server's Date (and Server) now
+    def front_done(self, front: TransportFront) -> None: ...  # its response went out whole
 
 
 class TransportFront:
@@ -81,26 +85,38 @@ class TransportFront:
 
     __slots__ = (
         "chunked",
+        "client",
         "disconnected",
         "exchange",
+        "expect",
         "flow",
         "head_out",
         "http10",
         "keep_alive",
+        "over",
         "pending",
         "pending_size",
-        "protocol",
+        "ready",
         "response_complete",
         "transport",
     )
 
-    def __init__(self, protocol: Any, keep_alive: bool, http10: bool) -> None:
-        self.protocol = protocol
-        self.transport = protocol.transport
-        self.flow = protocol.flow
+    def __init__(
+        self,
+        client: FrontClient,
+        keep_alive: bool,
+        http10: bool,
+        ready: bool = True,
+        expect: bool = False,
+    ) -> None:
+        self.client = client
+        self.transport = client.transport
+        self.flow = client.flow
         self.http10 = http10
+        self.ready = ready  # False: behind an earlier response on the connection
+        self.expect = expect and not http10  # Expect: 100-continue (HTTP/1.0: ignored)
         self.exchange: Exchange | None = None
-        # uvicorn's cycle interface
+        # what uvicorn's protocol reads of a request's cycle
         self.keep_alive = keep_alive and not http10
         self.response_complete = False
         self.disconnected = False
@@ -109,6 +125,7 @@ class TransportFront:
         self.head_out: bytes | None = None  # the head, written with the first bytes
         self.pending: list[bytes] = []  # what waits for a client that reads slower
         self.pending_size = 0
+        self.over = False  # answered while not ready: complete once activated
 
     @property
     def direct(self) -> bool:
@@ -124,8 +141,31 @@ class TransportFront:
     def transport_write(self) -> Any:
         return self.transport.write
 
+    def wants_body(self) -> None:
+        """The exchange reads the body: the client that expects a `100 Continue` gets it."""
+        if self.expect and self.ready and not self.disconnected:
+            self.expect = False
+            self.transport.write(CONTINUE)
+
+    def activate(self) -> None:
+        """The response before this one went out: this one's turn on the connection."""
+        self.ready = True
+        if self.disconnected:
+            return
+        if self.over:  # answered while it waited
+            self._last(b"")
+            self._done()
+            return
+        exchange = self.exchange
+        if exchange is not None:
+            if exchange.phase is Phase.BODY:
+                self.wants_body()
+            exchange.front_ready()
+
     # -- from the exchange ------------------------------------------------------------------
-    def start(self, status: int, headers: Headers, length: bool) -> None:
+    def start(self, status: int, headers: Headers, length: bool, close: bool) -> None:
+        if close:
+            self.keep_alive = False
         self.chunked = not length and not self.http10
         if not length and self.http10:
             self.keep_alive = False  # HTTP/1.0: a body without a length ends with the connection
@@ -137,7 +177,7 @@ class TransportFront:
         ends after this response. vLLM's header names and values came through httptools'
         strict parser: no CR, LF or NUL can be in them."""
         parts = [_status_line(status)]
-        for name, value in (*self.protocol.server_state.default_headers, *headers):
+        for name, value in (*self.client.default_headers(), *headers):
             parts += (name, b": ", value, b"\r\n")
         if self.chunked:
             parts.append(b"transfer-encoding: chunked\r\n")
@@ -172,7 +212,7 @@ class TransportFront:
         """A started response that cannot be finished: the client sees the connection end."""
         self._last(b"")
         self.response_complete = True
-        self._detach()
+        self.client.front_done(self)
         self.transport.close()
 
     def answer(self, status: int, body: bytes, close: bool) -> None:
@@ -183,6 +223,11 @@ class TransportFront:
         self.head_out = self._head(status, headers)
         self.pending.clear()
         self.pending_size = 0
+        if not self.ready:  # behind an earlier response: written when this one's turn comes
+            self.pending.append(self.head_out + body)
+            self.head_out = None
+            self.over = True
+            return
         self._last(body)
         self._done()
 
@@ -199,17 +244,11 @@ class TransportFront:
 
     def _done(self) -> None:
         self.response_complete = True
-        self._detach()
         if self.disconnected:
             return
         if not self.keep_alive:
             self.transport.close()
-        self.protocol.on_response_complete()
-
-    def _detach(self) -> None:
-        protocol = self.protocol
-        if protocol.fast is self:
-            protocol.fast = None
+        self.client.front_done(self)
 
     # -- from the protocol ------------------------------------------------------------------
     def client_gone(self) -> None:
@@ -225,7 +264,7 @@ class TransportFront:
 
     def resumed(self) -> None:
         """The transport took its buffer: what waits goes, vLLM is read again."""
-        if self.pending and not self.disconnected:
+        if self.pending and not self.disconnected and self.ready and not self.over:
             out = b"".join(self.pending)
             self.pending.clear()
             self.pending_size = 0
@@ -234,48 +273,19 @@ class TransportFront:
             self.exchange.client_resumed()
 
 
-def take(service: PassThrough, protocol: Any) -> TransportFront | None:
-    """A transport front for the request whose head `protocol` (the sidecar's httptools
-    protocol, in on_headers_complete) has just parsed, with its exchange begun; None when it
-    goes through ASGI (see the module's docstring)."""
-    parser = protocol.parser
-    if protocol.expect_100_continue or parser.should_upgrade() or protocol.pipeline:
-        return None
-    version = parser.get_http_version()
-    front = TransportFront(protocol, parser.should_keep_alive(), version == "1.0")
-    headers = protocol.headers
-    url = httptools.parse_url(protocol.url)
-    client = protocol.client
-    exchange = service.open(
-        front, parser.get_method(), _path(url.path), url.query or b"", headers,
-        client[0] if client else "", protocol.scheme.encode("latin-1"), _has_body(headers),
-    )  # fmt: skip
-    if exchange is not None:
-        front.exchange = exchange
-        exchange.begin(_length(headers))
-    return front
-
-
 class AsgiFront:
-    """One request through ASGI; see the module's docstring."""
+    """One request through ASGI (under h11); see the module's docstring."""
 
-    @property
-    def direct(self) -> bool:
-        return False  # no transport behind ASGI: nothing is written straight to it
+    direct = False  # no transport behind ASGI: nothing is written straight to it
+    ready = True  # the server runs a connection's requests one after the other
 
-    def __init__(self, send: Send, http10: bool) -> None:
+    def __init__(self, send: Send) -> None:
         self.send = send
-        self.http10 = http10
         self.exchange: Exchange | None = None
         self.queue: deque[Message] = deque()
         self.queued = 0
         self.waiter: asyncio.Future[None] | None = None
         self.over = False  # the response's last message is queued
-        self.broken = False  # a started response that cannot be finished
-        # HTTP/1.0 and a body without a length (uvicorn's httptools protocol would chunk it):
-        # collected, up to the body limit, and sent with one
-        self.collect: Message | None = None
-        self.collected: list[bytes] = []
 
     def transport_write(self) -> Any:
         raise AssertionError("no transport behind ASGI")
@@ -288,31 +298,21 @@ class AsgiFront:
             waiter.set_result(None)
         return self.queued > HIGH_WATER
 
-    def start(self, status: int, headers: Headers, length: bool) -> None:
-        message = {"type": "http.response.start", "status": status, "headers": headers}
-        if self.http10 and not length:
-            self.collect = message
-            return
-        self._queue(message)
+    def start(self, status: int, headers: Headers, length: bool, close: bool) -> None:
+        if close:
+            headers = [*headers, (b"connection", b"close")]
+        self._queue({"type": "http.response.start", "status": status, "headers": headers})
 
     def write(self, data: bytes) -> bool:
-        if self.collect is not None:
-            self.collected.append(data)
-            return False
         return self._queue({"type": "http.response.body", "body": data, "more_body": True},
                            len(data))  # fmt: skip
 
     def finish(self, data: bytes) -> None:
         self.over = True
-        if self.collect is not None:
-            body = b"".join([*self.collected, data])
-            headers = [*self.collect["headers"], (b"content-length", b"%d" % len(body))]
-            self._queue({**self.collect, "headers": headers})
-            data = body
         self._queue({"type": "http.response.body", "body": data})
 
     def cut(self) -> None:
-        self.over = self.broken = True
+        self.over = True
         self._queue({"type": "mla_serve.cut"})
 
     def answer(self, status: int, body: bytes, close: bool) -> None:
@@ -379,19 +379,19 @@ class QuietAborts(logging.Filter):
 
 async def serve(service: PassThrough, scope: Scope, receive: Receive, send: Send) -> None:
     """The pass-through as an ASGI app: each request an exchange with an AsgiFront."""
-    front = AsgiFront(send, scope.get("http_version") == "1.0")
-    headers: Headers = list(scope["headers"])
+    front = AsgiFront(send)
+    request_headers: Headers = list(scope["headers"])
     client = scope.get("client")
     exchange = service.open(
         front, scope["method"].encode("latin-1"), scope["path"], scope["query_string"],
-        headers, client[0] if client else "", scope["scheme"].encode("latin-1"),
-        _has_body(headers),
+        request_headers, client[0] if client else "", scope["scheme"].encode("latin-1"),
+        has_body(request_headers),
     )  # fmt: skip
     if exchange is None:
         for message in front.queue:
             await send(message)
         return
     front.exchange = exchange
-    if exchange.begin(_length(headers)):
+    if exchange.begin(length_of(request_headers)):
         exchange.waiting_body()
     await front.run(receive)

@@ -10,11 +10,17 @@ count the raw bytes read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 Fields = Iterable[tuple[bytes, bytes]]
 
 VERSIONS = ("1.0", "1.1")
+# RFC 9110 section 7.2: Host = uri-host [ ":" port ], uri-host an IP-literal, an IPv4 address
+# or a reg-name (unreserved, percent-encoded and sub-delims characters; it may be empty).
+_HOST = re.compile(
+    rb"(?:\[[0-9A-Za-z._~:!$&'()*+,;=-]+\]|[0-9A-Za-z._~!$&'()*+,;=%-]*)(?::[0-9]*)?"
+)
 
 
 def fields_size(fields: Fields) -> int:
@@ -42,15 +48,23 @@ def head_refusal(
     max_fields: int,
 ) -> tuple[int, str] | None:
     """Why a request whose head is complete is not served, as (status, message); None when
-    it is. HTTP/1.0 and HTTP/1.1 only (505); no transfer coding but `chunked` alone (501,
-    RFC 9112 section 6.1: a body in `gzip, chunked` cannot pass as plain bytes); request
-    line and headers of at most `max_bytes`, at most `max_fields` headers (431)."""
+    it is. HTTP/1.0 and HTTP/1.1 only (505); no Transfer-Encoding in an HTTP/1.0 request
+    (400: faulty framing, RFC 9112 section 6.1); no transfer coding but `chunked` alone (501,
+    RFC 9112 section 6.1: a body in `gzip, chunked` cannot pass as plain bytes); one Host
+    field with a valid value, and one at all in HTTP/1.1 (400, RFC 9112 section 3.2);
+    request line and headers of at most `max_bytes`, at most `max_fields` headers (431)."""
     if version not in VERSIONS:
         return 505, f"HTTP/{version} is not supported: the sidecar serves HTTP/1.0 and HTTP/1.1"
     codings: list[bytes] = []
+    hosts: list[bytes] = []
     for name, value in fields:
-        if name.lower() == b"transfer-encoding":
+        lowered = name.lower()
+        if lowered == b"transfer-encoding":
             codings += (coding.strip().lower() for coding in value.split(b","))
+        elif lowered == b"host":
+            hosts.append(value)
+    if codings and version == "1.0":
+        return 400, "Transfer-Encoding in an HTTP/1.0 request: its framing cannot be trusted"
     if codings and [coding for coding in codings if coding] != [b"chunked"]:
         named = b", ".join(codings).decode("latin-1")
         return 501, f"Transfer-Encoding {named!r} is not supported: only chunked"
@@ -58,4 +72,10 @@ def head_refusal(
         return 431, f"request line and headers over {max_bytes} bytes"
     if len(fields) > max_fields:
         return 431, f"more than {max_fields} request headers"
+    if len(hosts) > 1:
+        return 400, "more than one Host header"
+    if hosts and _HOST.fullmatch(hosts[0].strip(b" \t")) is None:
+        return 400, "the Host header is not a valid host"
+    if not hosts and version == "1.1":
+        return 400, "an HTTP/1.1 request must have a Host header"
     return None

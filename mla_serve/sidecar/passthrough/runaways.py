@@ -17,6 +17,21 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from mla_serve.sidecar.passthrough.labels import Labels, finished_reason
+
+
+def visible_channel(channel: str) -> bool:
+    """Whether a channel's text is what the client sees as the answer: content (chat) and
+    text (completions) are; reasoning is not."""
+    return channel != "reasoning"
+
+
+def visible(channel: str, text: object) -> bool:
+    """The one rule for a visible answer: text of a visible channel with a character that is
+    not whitespace (`str.isspace`; the C lane checks it the same way, per channel as
+    `visible_channel` says)."""
+    return visible_channel(channel) and isinstance(text, str) and text != "" and not text.isspace()
+
 
 @dataclass
 class Choice:
@@ -28,8 +43,7 @@ class Choice:
     loop: bool = False  # the loop guard (loops.py) confirmed an exact loop in its text
 
     def add_delta(self, delta: dict[str, Any]) -> None:
-        content = delta.get("content")
-        if isinstance(content, str) and content.strip():
+        if not self.visible and visible("content", delta.get("content")):
             self.visible = True
         if delta.get("tool_calls"):
             self.tool_calls = True
@@ -93,7 +107,7 @@ class Completion:
             choice = self.choices.setdefault(_index(raw), Choice())
             if isinstance(raw.get("delta"), dict):
                 choice.add_delta(raw["delta"])
-            elif isinstance(raw.get("text"), str) and raw["text"].strip():
+            elif visible("text", raw.get("text")):
                 choice.visible = True
             if raw.get("finish_reason"):
                 choice.finish_reason = str(raw["finish_reason"])
@@ -106,7 +120,7 @@ class Completion:
             message = raw.get("message")
             if isinstance(message, dict):
                 choice.add_delta(message)
-            elif isinstance(raw.get("text"), str) and raw["text"].strip():
+            elif visible("text", raw.get("text")):
                 choice.visible = True
             if raw.get("finish_reason"):
                 choice.finish_reason = str(raw["finish_reason"])
@@ -144,11 +158,18 @@ class Runaway:
 class Ledger:
     """Counters and the recent-runaway list; one per sidecar (and one for the canary)."""
 
-    def __init__(self, registry: CollectorRegistry, prefix: str, recent: int = 50) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        prefix: str,
+        recent: int = 50,
+        labels: Labels | None = None,
+    ) -> None:
+        self.labels = labels if labels is not None else Labels()
         self.completions = Counter(
             f"{prefix}completions",
             "Finished completion choices seen by the pass-through, by finish reason.",
-            ["model", "finish_reason"],
+            ["model", "finished_reason"],
             registry=registry,
         )
         self.runaways = Counter(
@@ -175,11 +196,11 @@ class Ledger:
 
     def record(self, completion: Completion, fallback_model: str | None) -> int:
         """Count every finished choice; return how many were runaways."""
-        model = completion.model or fallback_model or "unknown"
+        model = self.labels.model(completion.model or fallback_model)
         runaways = 0
         looped = False
         for choice in completion.choices.values():
-            self.completions.labels(model, choice.finish_reason or "error").inc()
+            self.completions.labels(model, finished_reason(choice.finish_reason)).inc()
             if choice.runaway:
                 runaways += 1
                 self.runaways.labels(model).inc()

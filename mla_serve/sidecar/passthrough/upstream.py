@@ -10,9 +10,25 @@ built (lane.py), `data_received` is a `Lane`: armed by the exchange for a stream
 chunks, it takes whole reads of them in C; every other read comes to the Python method here,
 which first hands the exchange what the lane took (`Sink.took`).
 
-Bounds on what vLLM sends: a response head of at most MAX_HEAD_BYTES, and after the head at
-most as much without a byte of body (chunk framing, trailers, which are dropped); past either
-the response is refused (`lost`, not retryable) and the connection dropped.
+A connection's life is explicit (`State`, moved only by `_to`, which refuses a move the
+table does not allow): IDLE (no request: new, or in the pool) → AWAITING (a request written,
+its response's head not yet in; 1xx heads pass) → BODY (the head handed on, the body being
+read) → DONE (the response ended as HTTP says it must) → IDLE again once the read that ended
+it is parsed to its last byte, or CLOSED (dropped, never used again) from any state. A
+connection goes back to the pool only from DONE, after the whole read: bytes after the
+response's end (the head or part of another response, garbage) close it instead
+(RFC 9112 section 6.3: nothing may follow a response that was not asked for).
+
+What vLLM may send, and what is refused (`lost`, not retryable: 502 before the head, the
+stream's error event after it) with the connection dropped:
+- a response head of at most MAX_HEAD_BYTES, and after the head at most as much without a
+  byte of body (chunk framing, trailers, which are dropped);
+- no transfer coding but `chunked` alone: a body in another coding cannot be passed on as
+  plain bytes once the hop-by-hop Transfer-Encoding is dropped (RFC 9112 section 6.1);
+- no 101: the pass-through never asks to switch protocols (the client's Upgrade is a
+  hop-by-hop header, not forwarded), so a 101 is a response nobody asked for.
+The response to a HEAD request ends with its head, whatever length it announces
+(RFC 9112 section 6.3, rule 1), and so do 204 and 304 responses.
 
 Connections are kept for reuse after a complete response that allows it, for at most
 `keepalive` seconds idle (uvicorn, vLLM's server, closes idle ones after 5 s). A request
@@ -23,6 +39,7 @@ back is reported as `retryable`: the server closed it idle, the request was neve
 from __future__ import annotations
 
 import asyncio
+import enum
 import ssl
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -54,6 +71,29 @@ class Sink(Protocol):
     def lost(self, why: str, retryable: bool) -> None: ...
 
 
+class State(enum.Enum):
+    IDLE = "no request"
+    AWAITING = "a request written, its response's head awaited"
+    BODY = "the response's body being read"
+    DONE = "the response ended"
+    CLOSED = "dropped"
+
+
+# The moves a connection may make; anything else is a bug (`_to` raises).
+MOVES: dict[State, frozenset[State]] = {
+    State.IDLE: frozenset({State.AWAITING, State.CLOSED}),
+    State.AWAITING: frozenset({State.BODY, State.DONE, State.CLOSED}),
+    State.BODY: frozenset({State.DONE, State.CLOSED}),
+    State.DONE: frozenset({State.IDLE, State.CLOSED}),
+    State.CLOSED: frozenset({State.CLOSED}),
+}
+
+
+class Refusal(Exception):
+    """Raised in a parser callback: the response is refused (the message says why); the
+    parser stops there (httptools wraps it in HttpParserCallbackError)."""
+
+
 class Connection(asyncio.Protocol):
     """One connection to vLLM; one request at a time."""
 
@@ -61,18 +101,19 @@ class Connection(asyncio.Protocol):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
+        self.state = State.IDLE
         self.sink: Sink | None = None
         self.headers: Headers = []
-        self.informational = False
+        self.head_only = False  # the request was HEAD: its response ends with its head
         self.until_close = False  # a body without length: it ends when the connection does
-        self.in_body = False
+        self.extra = False  # bytes after the response's end in the read that ended it
+        self.fresh_parser = False  # the parser expects more of a response that ended
+        self.refusal: str | None = None  # why the response is refused (a callback's finding)
         self.got_bytes = False  # any byte of a response to the current request
         self.head_bytes = 0  # the current response's head in bytes (read, then parsed)
         self.reason = 0  # bytes of its status line's reason phrase
-        self.head_done = False
         self.framing = 0  # bytes read since the last body byte, once the head is done
         self.reused = False
-        self.closed = False
         self.paused = False  # reading paused by the consumer (back-pressure)
         self.keep = False
         self.clock = pool.loop.time
@@ -85,16 +126,31 @@ class Connection(asyncio.Protocol):
             self.lane = lane.Lane(self.data_received)  # the method: the lane's fallback
             self.data_received = self.lane  # type: ignore[method-assign]
 
+    @property
+    def closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    def _to(self, state: State) -> None:
+        if state not in MOVES[self.state]:
+            raise RuntimeError(f"vLLM connection: no move from {self.state.name} to {state.name}")
+        self.state = state
+
     # -- used by the consumer ------------------------------------------------------------
-    def request(self, payload: bytes, sink: Sink) -> None:
+    def request(self, payload: bytes, sink: Sink, head_only: bool = False) -> None:
+        """Write one request; its response goes to `sink`. `head_only`: a HEAD request."""
         assert self.transport is not None and self.sink is None
+        self._to(State.AWAITING)
         self.disarm()
+        if self.fresh_parser:
+            self.parser = httptools.HttpResponseParser(self)
+            self.fresh_parser = False
         self.sink = sink
+        self.head_only = head_only
+        self.until_close = self.keep = False
         self.headers = []
-        self.got_bytes = False
-        self.in_body = False
+        self.got_bytes = self.extra = False
+        self.refusal = None
         self.head_bytes = self.reason = self.framing = 0
-        self.head_done = False
         self.last_read = self.clock()
         self.transport.write(payload)
 
@@ -136,121 +192,175 @@ class Connection(asyncio.Protocol):
         self.drain()
         self.disarm()
         self.sink = None
-        self.closed = True
+        self._to(State.CLOSED)
         if self.transport is not None:
             self.transport.close()
-
-    def release(self) -> None:
-        """After the sink saw `end()`: back to the pool when the response allows it."""
-        self.disarm()
-        self.sink = None
-        if self.paused:
-            self.resume()
-        self.pool.put(self)
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
 
     def data_received(self, data: bytes) -> None:
-        if self.sink is None:  # bytes nobody asked for: the connection is unusable
+        sink = self.sink
+        if sink is None:  # bytes nobody asked for (idle, or after the end): unusable now
             self.abort()
             return
         self.drain()
         self.got_bytes = True
         self.last_read = self.clock()
-        sink = self.sink
-        head_done = self.head_done
-        if not head_done:
+        in_body = self.state is State.BODY
+        if not in_body:
             self.head_bytes += len(data)
         self.sizes.clear()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as error:
-            self._refuse(sink, f"malformed HTTP from vLLM: {error}")
+        except httptools.HttpParserUpgrade:
+            self._refuse(sink, "vLLM switched protocols (101), which the pass-through never asks")
             return
-        if self.head_bytes > MAX_HEAD_BYTES:
+        except httptools.HttpParserError as error:
+            why = self.refusal or f"malformed HTTP from vLLM: {error}"
+            self._refuse(sink, why)
+            return
+        if self.state is State.DONE:  # the response ended in this read
+            self._settle()
+            return
+        if self.head_bytes > MAX_HEAD_BYTES and self.state is State.AWAITING:
             self._refuse(sink, f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
             return
-        if head_done:  # after the head, bytes without a body byte (chunk framing, trailers)
+        if in_body:  # after the head, bytes without a body byte (chunk framing, trailers)
             self.framing = 0 if self.sizes else self.framing + len(data)
             if self.framing > MAX_HEAD_BYTES:
                 self._refuse(sink, f"vLLM sent over {MAX_HEAD_BYTES >> 10} KiB without a byte "
                                    "of body (chunk framing or trailers)")  # fmt: skip
                 return
+        if self.sink is not sink:  # the consumer dropped the connection in its callbacks
+            return
         sink.fed()
         # Whole chunks whose payloads were the read's body pieces, size for size: the parser
         # was between two chunks before the read and is again (in any other state it would
         # have cut the bytes elsewhere).
         if (
             self.lane is not None
-            and head_done
+            and in_body
             and self.sizes
             and self.sink is sink
             and lane.frames(data) == self.sizes
         ):
             sink.may_arm(self)
 
+    def _settle(self) -> None:
+        """The read that ended the response is parsed whole: the connection goes back to the
+        pool, or is dropped (bytes followed the response, or it may not be kept)."""
+        sink = self.sink
+        self.sink = None
+        if sink is not None:
+            sink.fed()
+        if self.extra or not self.keep or self.closed:
+            if not self.closed:
+                self.abort()
+            return
+        self._to(State.IDLE)
+        if self.paused:
+            self.resume()
+        self.pool.put(self)
+
     def _refuse(self, sink: Sink, why: str) -> None:
         self.sink = None
-        self.abort()
+        if not self.closed:
+            self.abort()
         sink.fed()
         sink.lost(why, False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.drain()
         self.disarm()
-        self.closed = True
         sink, self.sink = self.sink, None
-        if sink is None:
+        state = self.state
+        self._to(State.CLOSED)
+        if sink is None or state is State.DONE:
             return
-        if self.until_close and self.in_body:
+        if self.until_close and state is State.BODY:
             sink.end()  # a body delimited by the connection's end is complete now
             return
         why = "the connection closed" if exc is None else f"{type(exc).__name__}: {exc}"
         sink.lost(why, self.reused and not self.got_bytes)
 
-    # -- httptools callbacks ---------------------------------------------------------------
+    # -- httptools callbacks (inside feed_data) --------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.state is State.DONE:  # another response after the end of this one
+            self.extra = True
+
     def on_status(self, reason: bytes) -> None:
         self.reason += len(reason)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.head_done:  # after the body: trailers, dropped (never a response header)
+        if self.state is State.AWAITING:  # after the body: trailers, dropped
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.state is not State.AWAITING:
+            self.extra = True
+            return
         status = self.parser.get_status_code()
-        if status < 200:  # 1xx: another head follows
-            self.informational = True
+        if status < 200:  # 1xx (101 aside: httptools raises for it): another head follows
             self.headers = []
             self.reason = 0
             return
         self.head_bytes = http1.response_head_size(self.reason, self.headers)
-        if self.head_bytes > MAX_HEAD_BYTES:  # refused by data_received, after this read
-            self.sink = None
-            return
-        self.in_body = self.head_done = True
+        if self.head_bytes > MAX_HEAD_BYTES:
+            self._callback_refuses(f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
         chunked = length = False
         for name, value in self.headers:
             lowered = name.lower()
             if lowered == b"content-length":
                 length = True
-            elif lowered == b"transfer-encoding" and b"chunked" in value.lower():
+            elif lowered == b"transfer-encoding":
+                codings = [coding.strip().lower() for coding in value.split(b",")]
+                if codings != [b"chunked"] or chunked:
+                    named = value.decode("latin-1")
+                    self._callback_refuses(
+                        f"vLLM's response has Transfer-Encoding {named!r}, which the "
+                        "pass-through does not decode: only chunked"
+                    )
                 chunked = True
-        self.until_close = not (chunked or length) and status not in (204, 304)
-        if self.sink is not None:
-            self.sink.head(status, self.headers)
+        sink = self.sink
+        assert sink is not None
+        if self.head_only or status in (204, 304):
+            self._to(State.DONE)
+            self.keep = self.parser.should_keep_alive()
+            self.fresh_parser = True  # the parser may wait for the body the head announced
+            sink.head(status, self.headers)
+            if self.sink is sink:
+                sink.end()
+            return
+        self._to(State.BODY)
+        self.until_close = not (chunked or length)
+        sink.head(status, self.headers)
+
+    def _callback_refuses(self, why: str) -> None:
+        self.refusal = why
+        raise Refusal(why)
 
     def on_body(self, body: bytes) -> None:
+        if self.state is not State.BODY:  # past the end: a body nobody asked for
+            self.extra = True
+            return
         self.sizes.append(len(body))
-        if self.sink is not None:
-            self.sink.body(body)
+        sink = self.sink
+        if sink is not None:
+            sink.body(body)
 
     def on_message_complete(self) -> None:
-        if self.informational:
-            self.informational = False
+        state = self.state
+        if state is State.AWAITING:  # a 1xx head
             return
-        self.in_body = False
+        if state is State.DONE:
+            # a head-only response's parser, when the head announced no body
+            self.fresh_parser = False
+            return
+        if state is not State.BODY:
+            return
+        self._to(State.DONE)
         self.keep = self.parser.should_keep_alive() and not self.until_close
         sink = self.sink
         if sink is not None:
@@ -284,10 +394,11 @@ class Pool:
         now = self.loop.time()
         while self.idle:
             conn, since = self.idle.pop()
-            if not conn.closed and now - since < self.keepalive:
+            if conn.state is State.IDLE and now - since < self.keepalive:
                 conn.reused = True
                 return conn
-            conn.abort()
+            if not conn.closed:
+                conn.abort()
         return None
 
     async def connect(self) -> Connection:
@@ -300,12 +411,14 @@ class Pool:
         return conn
 
     def put(self, conn: Connection) -> None:
-        if conn.closed or not conn.keep or conn.sink is not None:
-            conn.abort()
+        if conn.state is not State.IDLE or conn.sink is not None:
+            if not conn.closed:
+                conn.abort()
             return
         self.idle.append((conn, self.loop.time()))
 
     def close(self) -> None:
         for conn, _ in self.idle:
-            conn.abort()
+            if not conn.closed:
+                conn.abort()
         self.idle.clear()
