@@ -36,9 +36,9 @@ from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.guard.loops import LoopGuard, ResponseGuard, TailDetector
 from mla_serve.sidecar.passthrough import lane as lane_
 from mla_serve.sidecar.passthrough import upstream
-from mla_serve.sidecar.passthrough.exchange import PassThrough
 from mla_serve.sidecar.passthrough.fronts import TransportFront
 from mla_serve.sidecar.passthrough.runaways import Ledger
+from mla_serve.sidecar.passthrough.service import PassThrough
 from mla_serve.sidecar.settings import Settings, SettingsError
 from tests import loop_corpus
 from tests.bench import bench_hot_path

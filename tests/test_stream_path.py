@@ -551,9 +551,10 @@ def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes],
 
     from mla_serve.sidecar.guard.loops import LoopConfig, LoopGuard, LoopPolicy
     from mla_serve.sidecar.passthrough.classify import Request
-    from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+    from mla_serve.sidecar.passthrough.exchange import Exchange
     from mla_serve.sidecar.passthrough.phases import Phase
     from mla_serve.sidecar.passthrough.runaways import Ledger
+    from mla_serve.sidecar.passthrough.service import PassThrough
 
     async def run() -> tuple[object, list[bytes], int]:
         registry = CollectorRegistry()

@@ -21,10 +21,10 @@ from mla_serve.sidecar.admin.metrics import SidecarCollector, View
 from mla_serve.sidecar.admin.vllm_monitor import VllmMonitor
 from mla_serve.sidecar.guard.loops import LoopGuard
 from mla_serve.sidecar.passthrough import fronts, lane
-from mla_serve.sidecar.passthrough.exchange import PassThrough
 from mla_serve.sidecar.passthrough.fronts import QuietAborts, Receive, Scope, Send
 from mla_serve.sidecar.passthrough.labels import Labels
 from mla_serve.sidecar.passthrough.runaways import Ledger
+from mla_serve.sidecar.passthrough.service import PassThrough
 from mla_serve.sidecar.settings import Settings
 
 log = logging.getLogger("mla_serve.sidecar")

@@ -49,7 +49,8 @@ from mla_serve.sidecar.passthrough.fronts import TransportFront, has_body, lengt
 
 if TYPE_CHECKING:
     from mla_serve.sidecar.app import Router
-    from mla_serve.sidecar.passthrough.exchange import Headers, PassThrough
+    from mla_serve.sidecar.passthrough.exchange import Headers
+    from mla_serve.sidecar.passthrough.service import PassThrough
     from mla_serve.sidecar.settings import Settings
 
 # The uvicorn releases these classes are written for: the lowest tested and the first

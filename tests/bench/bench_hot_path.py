@@ -45,9 +45,10 @@ from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard
 from mla_serve.sidecar.passthrough import lane, upstream
-from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+from mla_serve.sidecar.passthrough.exchange import Exchange
 from mla_serve.sidecar.passthrough.fronts import TransportFront
 from mla_serve.sidecar.passthrough.runaways import Ledger
+from mla_serve.sidecar.passthrough.service import PassThrough
 from mla_serve.sidecar.settings import Settings
 from tests.bench.passthrough import replay
 from tests.bench.passthrough.replay import RECORDINGS

@@ -36,9 +36,10 @@ from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard, LoopPolicy
 from mla_serve.sidecar.passthrough.classify import Request
-from mla_serve.sidecar.passthrough.exchange import Exchange, PassThrough
+from mla_serve.sidecar.passthrough.exchange import Exchange
 from mla_serve.sidecar.passthrough.phases import Phase
 from mla_serve.sidecar.passthrough.runaways import Ledger
+from mla_serve.sidecar.passthrough.service import PassThrough
 from mla_serve.sidecar.settings import Settings
 from tests.bench.bench_passthrough import LOADGEN, MODEL, ROOT, UPSTREAM, run_loadgen
 from tests.bench.passthrough import proxies

@@ -30,8 +30,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
 from mla_serve.sidecar.passthrough import errors
-from mla_serve.sidecar.passthrough.exchange import Exchange, Headers, PassThrough
+from mla_serve.sidecar.passthrough.exchange import Exchange, Headers
 from mla_serve.sidecar.passthrough.phases import Phase
+from mla_serve.sidecar.passthrough.service import PassThrough
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

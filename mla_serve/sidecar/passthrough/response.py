@@ -28,7 +28,7 @@ from mla_serve.sidecar.passthrough.runaways import Choice, Completion, visible, 
 if TYPE_CHECKING:
     from mla_serve.sidecar.guard.loops import ResponseGuard
     from mla_serve.sidecar.passthrough.classify import Request, TokenShape
-    from mla_serve.sidecar.passthrough.exchange import PassThrough
+    from mla_serve.sidecar.passthrough.service import PassThrough
     from mla_serve.sidecar.passthrough.upstream import Taken
 
 # The arguments of _lane.Lane.arm that come from the stream: its shape, and the guard's terms.
