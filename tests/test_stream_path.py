@@ -567,7 +567,7 @@ def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes],
         guard = loops.watch({"model": MODEL, "max_tokens": 10_000}, exchange.path)
         exchange.request = Request(model=MODEL, stream=True, guard=guard)
         exchange.phase = Phase.SENT  # as if its request went out
-        exchange.head(200, [(b"content-type", b"text/event-stream")])
+        piece = exchange.head(200, [(b"content-type", b"text/event-stream")])
         reader = exchange.reader
         assert reader is not None
         taken = 0
@@ -577,7 +577,7 @@ def _classify(events: list[bytes], by_shape: bool) -> tuple[object, list[bytes],
             learnt = reader.shape
             if learnt is not None and learnt.match(event) is not None:
                 taken += 1
-            exchange.body(event)
+            piece(event)
             exchange.fed()
             if exchange.phase is Phase.DONE:
                 break

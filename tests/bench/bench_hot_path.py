@@ -207,9 +207,11 @@ class HotPath:
             pool.idle.append((conn, self.loop.time()))
 
     def response(self, exchange: Exchange, stream: dict[str, Any]) -> None:
-        exchange.head(200, stream["headers"])
+        """vLLM's response through the connection's callbacks: the head (which answers where
+        the body's pieces go), each read's pieces and the batch's write, the end."""
+        piece = exchange.head(200, stream["headers"])
         for data in stream["reads"]:
-            exchange.body(data)
+            piece(data)
             exchange.fed()
         exchange.end()
 
@@ -317,11 +319,11 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
     for number, stream in enumerate(streams):  # the bytes the client gets: vLLM's, unchanged
         hot.pooled()
         exchange = hot.request(stream)
-        exchange.head(200, stream["headers"])
+        piece = exchange.head(200, stream["headers"])
         for data in stream["reads"]:
             shape = shape_of(exchange)
             tokens += shape is not None and shape.match(data) is not None
-            exchange.body(data)
+            piece(data)
             exchange.fed()
         exchange.end()
         wire = b"".join(transport_of(exchange).out)
@@ -347,20 +349,20 @@ async def measure(streams: list[dict[str, Any]], repeats: int, scale: int) -> di
     for stream in streams:
         hot.pooled()
         exchange = hot.request(stream)
-        exchange.head(200, stream["headers"])
+        piece = exchange.head(200, stream["headers"])
         token_reads = []
         for data in stream["reads"]:
             shape = shape_of(exchange)
             if shape is not None and shape.match(data) is not None:
                 token_reads.append(data)
-            exchange.body(data)
+            piece(data)
             exchange.fed()
-        only_tokens.append((exchange, token_reads))
+        only_tokens.append((exchange, piece, token_reads))
 
     def token_pass(_: object) -> None:
-        for exchange, token_reads in only_tokens:
+        for exchange, piece, token_reads in only_tokens:
             for data in token_reads:
-                exchange.body(data)
+                piece(data)
                 exchange.fed()
 
     if not tokens:

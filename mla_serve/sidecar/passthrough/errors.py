@@ -30,6 +30,11 @@ class Refused(Exception):
         return error_body(self.status, str(self), self.kind)
 
 
+def why(error: BaseException) -> str:
+    """An exception in one line, for a log or an error message: its type and its text."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def error_body(status: int, message: str, kind: str) -> bytes:
     """An OpenAI-style error document, as vLLM itself returns them."""
     return json.dumps(

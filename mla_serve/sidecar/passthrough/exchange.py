@@ -37,11 +37,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mla_serve.sidecar.passthrough import classify, deadlines, errors, headers, upstream
 from mla_serve.sidecar.passthrough.classify import CLASSIFIED, Request
-from mla_serve.sidecar.passthrough.errors import Refused
+from mla_serve.sidecar.passthrough.errors import Refused, why
 from mla_serve.sidecar.passthrough.phases import End, Phase, PhaseError, move
 from mla_serve.sidecar.passthrough.response import Reader
 
@@ -51,10 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mla_serve.sidecar")
 
 Headers = list[tuple[bytes, bytes]]
-
-
-def why(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+RELAY = Phase.RELAY  # tested on every read of vLLM's socket: a plain name, no enum lookup
 
 
 class Exchange:
@@ -347,13 +345,17 @@ class Exchange:
             self._arm_timer(when)
 
     # -- the connection's callbacks (upstream.Sink) ------------------------------------------
-    def head(self, status: int, response_headers: Headers) -> None:
+    def head(self, status: int, response_headers: Headers) -> Callable[[bytes], object]:
+        """vLLM's head: passed on (its framing the front's); what takes the body's pieces
+        (a classified response's reader, else this read's batch: passed on as they are)."""
         self.phase = move(self.phase, Phase.RELAY)
         self._release()  # vLLM is answering: the request's bytes back
         streamed = headers.media_type(response_headers) == b"text/event-stream"
         request = self.request
+        reader = None
         if request is not None:
-            self.reader = Reader(self.service, request, status, streamed, self.batch)
+            reader = Reader(self.service, request, status, streamed, self.batch, self._stop)
+            self.reader = reader
         settings = self.settings
         if not streamed:
             self.ends_by = self.loop.time() + settings.response_deadline
@@ -365,25 +367,12 @@ class Exchange:
         timer = self.timer
         if timer is None or timer.when() > when:
             self._arm_timer(when)
-
-    def body(self, data: bytes) -> None:
-        if self.phase is not Phase.RELAY:
-            return
-        reader = self.reader
-        if reader is None:
-            self.batch.append(data)
-            return
-        try:  # a bug must end this response, not the connection's loop
-            if reader.feed(data):
-                self._stop(None)  # the guard stopped the stream
-        except Exception as error:
-            log.exception("classifying a response failed")
-            self._stop(f"the sidecar failed on vLLM's response: {why(error)}")
+        return self.batch.append if reader is None else reader.consumer
 
     def fed(self) -> None:
         """After one read of vLLM's socket: what it gave, in one write to the client."""
         batch = self.batch
-        if not batch or self.phase is not Phase.RELAY:
+        if not batch or self.phase is not RELAY:
             return
         out = batch[0] if len(batch) == 1 else b"".join(batch)
         batch.clear()
@@ -395,7 +384,7 @@ class Exchange:
         """vLLM's parser is between two chunks: the lane may take this stream's next reads
         of token chunks, which `body` would take here."""
         reader = self.reader
-        if reader is None or self.phase is not Phase.RELAY or not self.front.direct:
+        if reader is None or self.phase is not RELAY or not self.front.direct:
             return
         args = reader.lane()
         if args is None:
@@ -411,7 +400,7 @@ class Exchange:
         budget, or 0 when the Python path takes the stream's next tokens."""
         conn = self.conn
         reader = self.reader
-        if conn is None or reader is None or self.phase is not Phase.RELAY:
+        if conn is None or reader is None or self.phase is not RELAY:
             return 0
         try:
             conn.drain()  # -> took -> the guard, which checks

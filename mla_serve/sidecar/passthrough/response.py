@@ -20,9 +20,12 @@ channel (`lane`) and checks the text as str.isspace does.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mla_serve.sidecar.passthrough import classify, errors, sse
+from mla_serve.sidecar.passthrough.errors import why
 from mla_serve.sidecar.passthrough.runaways import Choice, Completion, visible, visible_channel
 
 if TYPE_CHECKING:
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 
 # The arguments of _lane.Lane.arm that come from the stream: its shape, and the guard's terms.
 LaneArgs = tuple[bytes, tuple[tuple[bytes, str, bool], ...], bytes, str | None, int]
+log = logging.getLogger("mla_serve.sidecar")
 UNBOUNDED = 1 << 62  # the lane's budget when no detector watches: no checkpoint to reach
 
 
@@ -53,6 +57,7 @@ class Reader:
         "service",
         "shape",
         "splitter",
+        "stop",
         "stream",
     )
 
@@ -63,8 +68,10 @@ class Reader:
         status: int,
         stream: bool,
         batch: list[bytes],
+        stop: Callable[[str | None], None],
     ) -> None:
         self.service = service
+        self.stop = stop  # the exchange's: nothing more from vLLM (why, None: the guard)
         self.request = request
         self.guard: ResponseGuard | None = request.guard
         self.stream = stream
@@ -83,40 +90,53 @@ class Reader:
         self.kept_size = 0
 
     # -- the body ----------------------------------------------------------------------------
-    def feed(self, data: bytes) -> bool:
-        """One piece of the body: its bytes to the batch; True when the guard stops the
-        stream here (nothing more is to be taken from vLLM)."""
-        if not self.stream:
-            if self.keep:
-                self._keep(data)
-            self.batch.append(data)
-            return False
-        shape = self.shape
-        splitter = self.splitter
-        if shape is not None and not splitter.pieces and not splitter.skipping:
-            found = shape.match(data)
-            if found is not None:  # a token chunk: choice 0's visibility, the guard's token
-                self.batch.append(data)
-                channel, text = found
-                choice = self.choice
-                assert choice is not None
-                if not choice.visible and visible(channel, text):
-                    choice.visible = True
+    @property
+    def consumer(self) -> Callable[[bytes], None]:
+        """What takes the body's pieces, as the connection frees them (`feed`, `feed_whole`)."""
+        return self.feed if self.stream else self.feed_whole
+
+    def feed_whole(self, data: bytes) -> None:
+        """One piece of a body that is not a stream: kept to classify, and to the batch."""
+        if self.keep:
+            self._keep(data)
+        self.batch.append(data)
+
+    def feed(self, data: bytes) -> None:
+        """One piece of a stream: its bytes to the batch; the exchange told to stop when the
+        guard stops the stream here, or when the reading fails (a bug must end this
+        response, not the connection's loop)."""
+        try:
+            shape = self.shape
+            splitter = self.splitter
+            if shape is not None and not splitter.pieces and not splitter.skipping:
+                found = shape.match(data)
+                if found is not None:  # a token chunk: choice 0's visibility, the guard's
+                    self.batch.append(data)
+                    channel, text = found
+                    choice = self.choice
+                    if not choice.visible and visible(channel, text):  # type: ignore[union-attr]
+                        choice.visible = True  # type: ignore[union-attr]
+                    guard = self.guard
+                    if guard is not None and guard.add_token(0, channel, text):
+                        self.stop(None)
+                    return
+            if not splitter.pieces and not splitter.skipping and classify.one_event(data):
+                out = self._event(data, data[6:], True)
+            else:
+                out, events, after = splitter.feed(data)
+                if events:
+                    out += self._events(events)
                 guard = self.guard
-                return guard is not None and guard.add_token(0, channel, text)
-        if not splitter.pieces and not splitter.skipping and classify.one_event(data):
-            out = self._event(data, data[6:], True)
-        else:
-            out, events, after = splitter.feed(data)
-            if events:
-                out += self._events(events)
+                if guard is None or not guard.stopped:
+                    out += after
+            if out:
+                self.batch.append(out)
             guard = self.guard
-            if guard is None or not guard.stopped:
-                out += after
-        if out:
-            self.batch.append(out)
-        guard = self.guard
-        return guard is not None and guard.stopped
+            if guard is not None and guard.stopped:
+                self.stop(None)
+        except Exception as error:
+            log.exception("classifying a response failed")
+            self.stop(f"the sidecar failed on vLLM's response: {why(error)}")
 
     def _events(self, block: bytes) -> bytes:
         """Complete events: each classified; the bytes to pass on (all of them, less a usage

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import ssl
+from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -60,10 +61,10 @@ MAX_HEAD_BYTES = 64 << 10
 
 
 class Sink(Protocol):
-    """The consumer of one response; called from the connection's callbacks."""
+    """The consumer of one response; called from the connection's callbacks. `head` answers
+    where the body's pieces go (called with each, as the parser frees it)."""
 
-    def head(self, status: int, headers: Headers) -> None: ...
-    def body(self, data: bytes) -> None: ...
+    def head(self, status: int, headers: Headers) -> Callable[[bytes], object]: ...
     def fed(self) -> None: ...  # after the body pieces of one read: a place to batch writes
     def end(self) -> None: ...
     def may_arm(self, conn: Connection) -> None: ...  # the parser is between two chunks
@@ -89,6 +90,16 @@ MOVES: dict[State, frozenset[State]] = {
 }
 
 
+# The states the per-read code tests, as plain names (no enum attribute lookup per read).
+IDLE, AWAITING, BODY, DONE, CLOSED = (
+    State.IDLE,
+    State.AWAITING,
+    State.BODY,
+    State.DONE,
+    State.CLOSED,
+)
+
+
 class Refusal(Exception):
     """Raised in a parser callback: the response is refused (the message says why); the
     parser stops there (httptools wraps it in HttpParserCallbackError)."""
@@ -101,8 +112,9 @@ class Connection(asyncio.Protocol):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.state = State.IDLE
+        self.state = IDLE
         self.sink: Sink | None = None
+        self.piece: Callable[[bytes], object] | None = None  # the body's consumer, in BODY
         self.headers: Headers = []
         self.head_only = False  # the request was HEAD: its response ends with its head
         self.until_close = False  # a body without length: it ends when the connection does
@@ -128,7 +140,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def closed(self) -> bool:
-        return self.state is State.CLOSED
+        return self.state is CLOSED
 
     def _to(self, state: State) -> None:
         if state not in MOVES[self.state]:
@@ -139,7 +151,7 @@ class Connection(asyncio.Protocol):
     def request(self, payload: bytes, sink: Sink, head_only: bool = False) -> None:
         """Write one request; its response goes to `sink`. `head_only`: a HEAD request."""
         assert self.transport is not None and self.sink is None
-        self._to(State.AWAITING)
+        self._to(AWAITING)
         self.disarm()
         if self.fresh_parser:
             self.parser = httptools.HttpResponseParser(self)
@@ -191,8 +203,8 @@ class Connection(asyncio.Protocol):
         """Drop the connection (vLLM aborts a request whose client went away)."""
         self.drain()
         self.disarm()
-        self.sink = None
-        self._to(State.CLOSED)
+        self.sink = self.piece = None
+        self._to(CLOSED)
         if self.transport is not None:
             self.transport.close()
 
@@ -208,7 +220,7 @@ class Connection(asyncio.Protocol):
         self.drain()
         self.got_bytes = True
         self.last_read = self.clock()
-        in_body = self.state is State.BODY
+        in_body = self.state is BODY
         if not in_body:
             self.head_bytes += len(data)
         self.sizes.clear()
@@ -221,10 +233,10 @@ class Connection(asyncio.Protocol):
             why = self.refusal or f"malformed HTTP from vLLM: {error}"
             self._refuse(sink, why)
             return
-        if self.state is State.DONE:  # the response ended in this read
+        if self.state is DONE:  # the response ended in this read
             self._settle()
             return
-        if self.head_bytes > MAX_HEAD_BYTES and self.state is State.AWAITING:
+        if self.head_bytes > MAX_HEAD_BYTES and self.state is AWAITING:
             self._refuse(sink, f"vLLM's response head is over {MAX_HEAD_BYTES >> 10} KiB")
             return
         if in_body:  # after the head, bytes without a body byte (chunk framing, trailers)
@@ -259,7 +271,7 @@ class Connection(asyncio.Protocol):
             if not self.closed:
                 self.abort()
             return
-        self._to(State.IDLE)
+        self._to(IDLE)
         if self.paused:
             self.resume()
         self.pool.put(self)
@@ -274,12 +286,12 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.drain()
         self.disarm()
-        sink, self.sink = self.sink, None
+        sink, self.sink, self.piece = self.sink, None, None
         state = self.state
-        self._to(State.CLOSED)
-        if sink is None or state is State.DONE:
+        self._to(CLOSED)
+        if sink is None or state is DONE:
             return
-        if self.until_close and state is State.BODY:
+        if self.until_close and state is BODY:
             sink.end()  # a body delimited by the connection's end is complete now
             return
         why = "the connection closed" if exc is None else f"{type(exc).__name__}: {exc}"
@@ -287,18 +299,18 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks (inside feed_data) --------------------------------------------
     def on_message_begin(self) -> None:
-        if self.state is State.DONE:  # another response after the end of this one
+        if self.state is DONE:  # another response after the end of this one
             self.extra = True
 
     def on_status(self, reason: bytes) -> None:
         self.reason += len(reason)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.state is State.AWAITING:  # after the body: trailers, dropped
+        if self.state is AWAITING:  # after the body: trailers, dropped
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.state is not State.AWAITING:
+        if self.state is not AWAITING:
             self.extra = True
             return
         status = self.parser.get_status_code()
@@ -326,41 +338,43 @@ class Connection(asyncio.Protocol):
         sink = self.sink
         assert sink is not None
         if self.head_only or status in (204, 304):
-            self._to(State.DONE)
+            self._to(DONE)
             self.keep = self.parser.should_keep_alive()
             self.fresh_parser = True  # the parser may wait for the body the head announced
             sink.head(status, self.headers)
             if self.sink is sink:
                 sink.end()
             return
-        self._to(State.BODY)
+        self._to(BODY)
         self.until_close = not (chunked or length)
-        sink.head(status, self.headers)
+        piece = sink.head(status, self.headers)
+        if self.sink is sink:
+            self.piece = piece
 
     def _callback_refuses(self, why: str) -> None:
         self.refusal = why
         raise Refusal(why)
 
     def on_body(self, body: bytes) -> None:
-        if self.state is not State.BODY:  # past the end: a body nobody asked for
+        piece = self.piece
+        if piece is None:  # past the end (a body nobody asked for), or dropped
             self.extra = True
             return
         self.sizes.append(len(body))
-        sink = self.sink
-        if sink is not None:
-            sink.body(body)
+        piece(body)
 
     def on_message_complete(self) -> None:
         state = self.state
-        if state is State.AWAITING:  # a 1xx head
+        if state is AWAITING:  # a 1xx head
             return
-        if state is State.DONE:
+        if state is DONE:
             # a head-only response's parser, when the head announced no body
             self.fresh_parser = False
             return
-        if state is not State.BODY:
+        if state is not BODY:
             return
-        self._to(State.DONE)
+        self._to(DONE)
+        self.piece = None
         self.keep = self.parser.should_keep_alive() and not self.until_close
         sink = self.sink
         if sink is not None:
@@ -394,7 +408,7 @@ class Pool:
         now = self.loop.time()
         while self.idle:
             conn, since = self.idle.pop()
-            if conn.state is State.IDLE and now - since < self.keepalive:
+            if conn.state is IDLE and now - since < self.keepalive:
                 conn.reused = True
                 return conn
             if not conn.closed:
@@ -411,7 +425,7 @@ class Pool:
         return conn
 
     def put(self, conn: Connection) -> None:
-        if conn.state is not State.IDLE or conn.sink is not None:
+        if conn.state is not IDLE or conn.sink is not None:
             if not conn.closed:
                 conn.abort()
             return
