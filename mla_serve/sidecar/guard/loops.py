@@ -84,12 +84,37 @@ class Loop:
 
 
 class TailDetector:
-    """Exact periodic repetition at the end of a growing text (one channel of one choice)."""
+    """Exact periodic repetition at the end of a growing text (one channel of one choice).
 
-    __slots__ = ("config", "fresh", "pieces", "tail")
+    Incremental: text between two checks is kept as pieces; a check appends them to the
+    kept tail in place (the tail's only reference is dropped first, so CPython grows the
+    string instead of copying it) and trims it to `window_chars` once it passes twice that,
+    then searches the last `max_period + probe_chars` characters only."""
+
+    __slots__ = (
+        "check_every",
+        "config",
+        "fresh",
+        "max_candidates",
+        "max_period",
+        "min_chars",
+        "min_repeats",
+        "pieces",
+        "probe_chars",
+        "tail",
+        "window",
+    )
 
     def __init__(self, config: LoopConfig) -> None:
         self.config = config
+        # the configuration's figures, read at every check
+        self.check_every = config.check_every
+        self.window = config.window_chars
+        self.min_chars = config.min_chars
+        self.min_repeats = config.min_repeats
+        self.probe_chars = config.probe_chars
+        self.max_period = config.max_period
+        self.max_candidates = config.max_candidates
         self.tail = ""
         self.pieces: list[str] = []
         self.fresh = 0
@@ -98,40 +123,44 @@ class TailDetector:
         """Add text; (period, repeats) once the tail is a loop, else None."""
         self.pieces.append(text)
         self.fresh += len(text)
-        if self.fresh < self.config.check_every:
+        if self.fresh < self.check_every:
             return None
         return self.check()
 
     def until_check(self) -> int:
         """Characters of text still to come before the next check."""
-        return self.config.check_every - self.fresh
+        return self.check_every - self.fresh
 
     def feed_all(self, text: str) -> tuple[int, int] | None:
         """Check a whole text at once: its tail only, so a loop that ran to the end."""
-        self.pieces.append(text[-2 * self.config.window_chars :])
+        self.pieces.append(text[-2 * self.window :])
         return self.check()
 
     def check(self) -> tuple[int, int] | None:
-        config = self.config
         self.fresh = 0
-        tail = self.tail + "".join(self.pieces)
-        self.pieces.clear()
-        if len(tail) > 2 * config.window_chars:
-            tail = tail[-config.window_chars :]
+        pieces = self.pieces
+        added = pieces[0] if len(pieces) == 1 else "".join(pieces)
+        pieces.clear()
+        tail = self.tail
+        self.tail = ""  # `tail` is the string's one reference now: `+=` may grow it in place
+        tail += added
+        if len(tail) > 2 * self.window:
+            tail = tail[-self.window :]
         self.tail = tail
         size = len(tail)
-        if size < config.min_chars:
+        if size < self.min_chars:
             return None
-        probe_size = config.probe_chars
+        probe_size = self.probe_chars
         probe = tail[-probe_size:]
         end = size - 1  # occurrences that end before the last character
-        first = max(size - probe_size - config.max_period, 0)  # nothing farther can be a period
-        for _ in range(config.max_candidates):
+        first = max(size - probe_size - self.max_period, 0)  # nothing farther can be a period
+        min_repeats, min_chars = self.min_repeats, self.min_chars
+        for _ in range(self.max_candidates):
             start = tail.rfind(probe, first, end)
             if start < 0:
                 return None
             period = size - probe_size - start
-            span = max(config.min_repeats * period, config.min_chars)
+            span = max(min_repeats * period, min_chars)
             if span > size:
                 return None  # a long period that has not repeated often enough yet
             if tail[size - span + period :] == tail[size - span : size - period]:
@@ -311,16 +340,24 @@ class ResponseGuard:
             self._feed(watch, channel, text)
         return self._stopping()
 
-    def took(self, index: int, tokens: int, texts: list[str]) -> bool:
+    def took(self, index: int, tokens: int, texts: list[str]) -> int:
         """`add_token` for `tokens` token chunks the C lane took (lane.py): counted, and their
         texts, of the channel the detector watches, added; the lane hands them over where
         they reach the detector's next check (its checkpoint), so the check runs after the
-        same token as it would through add_token."""
+        same token as it would through add_token. The lane's next budget (`lane`'s): the
+        characters to the detector's next check, 0 when the lane must take no more (the
+        stream stopped, or its loop is found and no text is looked at from here on)."""
         watch = self.watches[index]
         watch.tokens += tokens
         if texts and watch.loop is None:
-            self._found(watch, watch.channel, watch.detector.feed("".join(texts)))
-        return self._stopping()
+            found = watch.detector.feed(texts[0] if len(texts) == 1 else "".join(texts))
+            if found is not None:
+                self._found(watch, watch.channel, found)
+                if self._stopping():
+                    return 0
+        if self.stopped or watch.loop is not None:
+            return 0
+        return watch.detector.until_check()
 
     def lane(self) -> tuple[str | None, int] | None:
         """The guard's terms for the C lane (lane.py), which takes choice 0's token chunks

@@ -382,39 +382,23 @@ class Exchange:
 
     def may_arm(self, conn: upstream.Connection) -> None:
         """vLLM's parser is between two chunks: the lane may take this stream's next reads
-        of token chunks, which `body` would take here."""
+        of token chunks, which the reader's feed would take here. Where the lane's texts
+        reach the guard's next check it calls the reader's checkpoint."""
         reader = self.reader
-        if reader is None or self.phase is not RELAY or not self.front.direct:
+        lane = conn.lane
+        if reader is None or self.phase is not RELAY or not self.front.direct or lane is None:
             return
         args = reader.lane()
         if args is None:
             return
         head, keys, tail, channel, budget = args
-        assert conn.lane is not None
-        conn.lane.arm(head, keys, tail, channel, budget, self.front.transport_write(),
-                      conn.clock, None if channel is None else self.checkpoint)  # fmt: skip
-
-    def checkpoint(self) -> int:
-        """The lane's texts reached the guard's next check: what it took is counted and the
-        detector looks (Reader.took), after the same token as through `body`. The next
-        budget, or 0 when the Python path takes the stream's next tokens."""
-        conn = self.conn
-        reader = self.reader
-        if conn is None or reader is None or self.phase is not RELAY:
-            return 0
-        try:
-            conn.drain()  # -> took -> the guard, which checks
-        except Exception as error:  # a bug must end this response, as in `body`
-            log.exception("classifying a response failed")
-            self._stop(f"the sidecar failed on vLLM's response: {why(error)}")
-            return 0
-        if reader.stopped:
-            self._stop(None)
-            return 0
-        return reader.next_budget()
+        check = None if channel is None else reader.checkpoint_of(lane)
+        lane.arm(head, keys, tail, channel, budget, self.front.transport_write(), conn.clock,
+                 check)  # fmt: skip
 
     def took(self, taken: upstream.Taken) -> None:
-        """What the lane took (token chunks written to the client)."""
+        """What the lane took (token chunks written to the client), handed over before a
+        read the Python path takes."""
         reader = self.reader
         if reader is not None:
             reader.took(taken)

@@ -31,6 +31,7 @@ from mla_serve.sidecar.passthrough.runaways import Choice, Completion, visible, 
 if TYPE_CHECKING:
     from mla_serve.sidecar.guard.loops import ResponseGuard
     from mla_serve.sidecar.passthrough.classify import Request, TokenShape
+    from mla_serve.sidecar.passthrough.lane import Lane
     from mla_serve.sidecar.passthrough.service import PassThrough
     from mla_serve.sidecar.passthrough.upstream import Taken
 
@@ -46,8 +47,10 @@ class Reader:
     __slots__ = (
         "batch",
         "choice",
+        "closed",
         "completion",
         "done",
+        "drain",
         "guard",
         "keep",
         "kept",
@@ -88,6 +91,8 @@ class Reader:
         self.keep = not stream and self.ok
         self.kept: list[bytes] = []
         self.kept_size = 0
+        self.closed = False  # the exchange is over: a lane still calling gets 0
+        self.drain: Callable[[], Taken | None] | None = None  # the armed lane's
 
     # -- the body ----------------------------------------------------------------------------
     @property
@@ -209,23 +214,49 @@ class Reader:
         shown = tuple((key, name, visible_channel(name)) for key, name in keys)
         return head, shown, tail, channel, budget
 
-    def took(self, taken: Taken) -> None:
+    def took(self, taken: Taken) -> int:
         """What the lane took (token chunks written to the client): counted as `feed`
-        counts them."""
+        counts them; the lane's next budget (the guard's, `UNBOUNDED` without one; 0: the
+        Python path takes the stream's next tokens)."""
         tokens, shown, texts = taken
         choice = self.choice
         if shown and choice is not None:
             choice.visible = True
         guard = self.guard
-        if guard is not None:
-            guard.took(0, tokens, texts)
+        if guard is None:
+            return UNBOUNDED
+        return guard.took(0, tokens, texts)
+
+    def checkpoint_of(self, lane: Lane) -> Callable[[], int]:
+        """The checkpoint `lane` is armed with (`checkpoint`, draining that lane)."""
+        self.drain = lane.drain
+        return self.checkpoint
+
+    def checkpoint(self) -> int:
+        """The lane's texts reached the guard's next check: what it took is counted and the
+        detector looks (`took`), after the same token as through `feed`; the next budget,
+        or 0 when the Python path takes the stream's next tokens (the exchange told to stop
+        when the guard stopped the stream here)."""
+        drain = self.drain
+        if self.closed or drain is None:
+            return 0
+        try:
+            taken = drain()
+            budget = self.took(taken) if taken is not None else self.next_budget()
+        except Exception as error:  # a bug must end this response, as in `feed`
+            log.exception("classifying a response failed")
+            self.stop(f"the sidecar failed on vLLM's response: {why(error)}")
+            return 0
+        if budget <= 0 and self.stopped:
+            self.stop(None)
+        return budget
 
     def next_budget(self) -> int:
-        """After the lane's texts reached the guard's check (`took`): the characters to its
-        next one, or 0 when the Python path takes the stream's next tokens (the guard
-        stopped the stream or found its loop, after which no text is kept)."""
+        """The lane's budget when it took nothing new (`took`'s answer without a token)."""
         guard = self.guard
-        if guard is None or guard.stopped:
+        if guard is None:
+            return UNBOUNDED
+        if guard.stopped:
             return 0
         terms = guard.lane()
         if terms is None or terms[0] is None:
@@ -289,6 +320,7 @@ class Reader:
 
     def close(self) -> None:
         """What is held against the budget given back (a partial event, a kept body)."""
+        self.closed = True
         self.splitter.rest()
         self._forget()
 
