@@ -36,6 +36,7 @@ from mla_serve.sidecar import settings as settings_
 from mla_serve.sidecar.guard.loops import LoopGuard, ResponseGuard, TailDetector
 from mla_serve.sidecar.passthrough import lane as lane_
 from mla_serve.sidecar.passthrough import upstream
+from mla_serve.sidecar.passthrough.exchange import admit
 from mla_serve.sidecar.passthrough.fronts import TransportFront
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.passthrough.service import PassThrough
@@ -87,7 +88,7 @@ def run(
         }).encode()  # fmt: skip
         protocol = bench_hot_path.Protocol(loop, len(body))
         front = TransportFront(protocol, keep_alive=True, http10=False)
-        exchange = service.open(front, b"POST", PATH, b"", protocol.headers, "10.0.0.7",
+        exchange = admit(service, front, b"POST", PATH, b"", protocol.headers, "10.0.0.7",
                                 b"http", True)  # fmt: skip
         assert exchange is not None
         front.exchange = exchange

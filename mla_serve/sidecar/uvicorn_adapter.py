@@ -45,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mla_serve.sidecar.limits import Limits, Rules
+from mla_serve.sidecar.passthrough.exchange import admit
 from mla_serve.sidecar.passthrough.fronts import TransportFront, has_body, length_of
 
 if TYPE_CHECKING:
@@ -274,7 +275,8 @@ class LimitedHttpTools(HttpToolsProtocol):
         request_headers = self.headers
         url = httptools.parse_url(self.url)
         client = self.client
-        exchange = service.open(
+        exchange = admit(
+            service,
             front, parser.get_method(), _path(url.path), url.query or b"", request_headers,
             client[0] if client else "", (self.scheme or "http").encode("latin-1"),
             has_body(request_headers),

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard
 from mla_serve.sidecar.passthrough import lane, upstream
-from mla_serve.sidecar.passthrough.exchange import Exchange
+from mla_serve.sidecar.passthrough.exchange import Exchange, admit
 from mla_serve.sidecar.passthrough.fronts import TransportFront
 from mla_serve.sidecar.passthrough.runaways import Ledger
 from mla_serve.sidecar.passthrough.service import PassThrough
@@ -187,7 +187,7 @@ class HotPath:
         and sent to vLLM on a pooled connection."""
         protocol = Protocol(self.loop, len(stream["body"]))
         front = TransportFront(protocol, keep_alive=True, http10=False)
-        exchange = self.service.open(front, b"POST", PATH, b"", protocol.headers, "10.0.0.7",
+        exchange = admit(self.service, front, b"POST", PATH, b"", protocol.headers, "10.0.0.7",
                                      b"http", True)  # fmt: skip
         assert exchange is not None
         front.exchange = exchange

@@ -55,6 +55,28 @@ Headers = list[tuple[bytes, bytes]]
 RELAY = Phase.RELAY  # tested on every read of vLLM's socket: a plain name, no enum lookup
 
 
+def admit(
+    service: PassThrough,
+    front: Front,
+    method: bytes,
+    raw_path: str,
+    query: bytes,
+    request_headers: Headers,
+    peer: str,
+    scheme: bytes,
+    has_body: bool,
+) -> Exchange | None:
+    """The exchange of a request the pass-through serves, or None: a path it does not
+    forward, answered 404 through `front` (closing the connection when a body follows)."""
+    path = service.route(raw_path)
+    if path is None:
+        refused = Refused(404, "no such route", "not_found_error")
+        service.metrics.refused.labels("404").inc()
+        front.answer(404, refused.body(), has_body or service.draining)
+        return None
+    return Exchange(service, front, method, path, query, request_headers, peer, scheme)
+
+
 class Exchange:
     """One request through the pass-through and its response; see the module's docstring."""
 

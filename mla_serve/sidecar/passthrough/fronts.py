@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
 from mla_serve.sidecar.passthrough import errors
-from mla_serve.sidecar.passthrough.exchange import Exchange, Headers
+from mla_serve.sidecar.passthrough.exchange import Exchange, Headers, admit
 from mla_serve.sidecar.passthrough.phases import Phase
 from mla_serve.sidecar.passthrough.service import PassThrough
 
@@ -383,7 +383,8 @@ async def serve(service: PassThrough, scope: Scope, receive: Receive, send: Send
     front = AsgiFront(send)
     request_headers: Headers = list(scope["headers"])
     client = scope.get("client")
-    exchange = service.open(
+    exchange = admit(
+            service,
         front, scope["method"].encode("latin-1"), scope["path"], scope["query_string"],
         request_headers, client[0] if client else "", scope["scheme"].encode("latin-1"),
         has_body(request_headers),

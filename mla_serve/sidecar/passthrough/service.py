@@ -2,8 +2,8 @@
 
 `PassThrough` holds the settings, the one client to vLLM (upstream.py's pool), the in-flight
 byte budget, the metrics, the runaway ledger and guard, the routes, the live exchanges and
-the drain; `open` makes each request's exchange (exchange.py). `Front` is what an exchange
-writes its response through (fronts.py: the transport front, the ASGI front).
+the drain; each request is an exchange (exchange.py `admit` makes it). `Front` is what an
+exchange writes its response through (fronts.py: the transport front, the ASGI front).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopGuard
 from mla_serve.sidecar.passthrough import upstream
-from mla_serve.sidecar.passthrough.errors import Refused
-from mla_serve.sidecar.passthrough.exchange import Exchange, Headers
 from mla_serve.sidecar.passthrough.metrics import ByteBudget, Metrics
 from mla_serve.sidecar.passthrough.routes import Routes, normalize
 from mla_serve.sidecar.passthrough.runaways import Ledger
@@ -24,6 +22,13 @@ if TYPE_CHECKING:
     from mla_serve.sidecar.settings import Settings
 
 SHUTTING_DOWN = "the sidecar is shutting down"
+Headers = list[tuple[bytes, bytes]]
+
+
+class Open(Protocol):
+    """A request the pass-through serves now (an exchange.Exchange)."""
+
+    def shut(self, why: str) -> None: ...  # the drain timed out: end it
 
 
 class Front(Protocol):
@@ -63,7 +68,7 @@ class PassThrough:
         )
         self.trusted = settings.trusted_networks
         self.pool: upstream.Pool | None = None
-        self.live: set[Exchange] = set()
+        self.live: set[Open] = set()
         self.draining = False  # SIGTERM came: responses close their connections
 
     async def start(self) -> None:
@@ -83,27 +88,6 @@ class PassThrough:
             exchange.shut(why)
         if self.pool is not None:
             self.pool.close()
-
-    def open(
-        self,
-        front: Front,
-        method: bytes,
-        raw_path: str,
-        query: bytes,
-        request_headers: Headers,
-        peer: str,
-        scheme: bytes,
-        has_body: bool,
-    ) -> Exchange | None:
-        """The exchange of a request the pass-through serves, or None: a path it does not
-        forward, answered 404 through `front` (closing the connection when a body follows)."""
-        path = self.route(raw_path)
-        if path is None:
-            refused = Refused(404, "no such route", "not_found_error")
-            self.metrics.refused.labels("404").inc()
-            front.answer(404, refused.body(), has_body or self.draining)
-            return None
-        return Exchange(self, front, method, path, query, request_headers, peer, scheme)
 
     def route(self, raw_path: str) -> str | None:
         """The normalized path if the pass-through serves it, else None."""
