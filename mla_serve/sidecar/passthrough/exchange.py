@@ -172,8 +172,9 @@ class Exchange:
         return True
 
     def waiting_body(self) -> None:
-        """After a read of the client's socket left the body incomplete: its deadline."""
-        if self.phase is Phase.BODY and self.timer is None:
+        """After a read of the client's socket left the body incomplete: its deadline (not
+        while the request waits behind an earlier response: its connection is not read)."""
+        if self.phase is Phase.BODY and self.timer is None and self.front.ready:
             self._arm_timer(deadlines.body_wait(self.settings, self.started, self.last_body))
 
     def take_body(self, data: bytes) -> None:
@@ -251,9 +252,14 @@ class Exchange:
         return headers.request_bytes(self.method, target, pool.authority, forwarded, body)
 
     def front_ready(self) -> None:
-        """The front may write now (the response before it on its connection went out)."""
+        """The front may write now (the response before it on its connection went out): a
+        request read whole goes to vLLM, one still being read has its body's deadlines from
+        now on (its connection was not read while it waited)."""
         if self.phase is Phase.QUEUED:
             self._dispatch()
+        elif self.phase is Phase.BODY:
+            self.started = self.last_body = self.loop.time()
+            self.waiting_body()
 
     def client_gone(self) -> None:
         """The client's connection is lost: vLLM's request is aborted, everything held given
