@@ -250,6 +250,27 @@ def test_vllm_builds_the_tiny_deepseek_v4_flash_on_the_meta_device(
     assert {e["routed_experts"] for e in experts} == {16}
 
 
+def test_vllms_scheduler_serves_a_resent_deepseek_v4_prompt_from_its_prefix_cache(
+    models: Path, scaled: dict[str, dict[str, Any]]
+) -> None:
+    """vllm#42948 (a re-sent request gets 0 % prefix-cache hits on DeepSeek-V4-Flash) against
+    vLLM's own KV-cache planning, Scheduler and KV cache manager over the tiny model's layer
+    specs (its sliding-window, compressed, indexer and compressor-state groups), the layout's
+    flags, chunked prefill: the re-sent prompt is served from every 256-token block but the
+    last token's. A prompt sharing only a 1000-token prefix gets no hit the first time (the
+    sliding-window groups kept their window only where the first prompt ended: vLLM records
+    the uncached common prefix) and 768 tokens the next time."""
+    found = cpu_check("prefix-cache", str(models / model.DEEPSEEK_V4_FLASH.directory()),
+                      *scaled["dsv4-flash@1"]["argv"])  # fmt: skip
+    kinds = {kind for kind, _, _ in found["groups"]}
+    assert kinds == {"SlidingWindowMLASpec", "MLAAttentionSpec"}, found["groups"]
+    assert len(found["groups"]) > 2  # a hybrid cache: several groups per kind
+    unit = found["cache_hit_alignment_tokens"]
+    assert unit == found["block_size"] == 256
+    prompt, shared = found["prompt_tokens"], found["shared_tokens"]
+    assert found["hits"] == [0, (prompt - 1) // unit * unit, 0, shared // unit * unit]
+
+
 def test_vllm_takes_the_tiny_glm52_config_and_declines_sparse_mla_on_cpu(
     models: Path, scaled: dict[str, dict[str, Any]]
 ) -> None:
