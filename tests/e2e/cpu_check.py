@@ -2,6 +2,7 @@
 
     python -m tests.e2e.cpu_check build MODEL_DIR [SERVE_ARGS ...]
     python -m tests.e2e.cpu_check prefix-cache MODEL_DIR [SERVE_ARGS ...]
+    python -m tests.e2e.cpu_check memory MODEL_DIR [SERVE_ARGS ...]
     python -m tests.e2e.cpu_check glm53 MODEL_DIR
 
 Run from the repository root with the release's tree on PYTHONPATH and
@@ -54,6 +55,7 @@ def engine(model_dir: str, serve_args: list[str]) -> Iterator[tuple[Any, Any, di
     from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model_dir, *serve_args])
     validate_parsed_serve_args(args)
@@ -88,8 +90,8 @@ def engine(model_dir: str, serve_args: list[str]) -> Iterator[tuple[Any, Any, di
         initialize_model_parallel(1)
         model_class, _ = get_model_architecture(model_config)
         record["model_class"] = f"{model_class.__module__}.{model_class.__qualname__}"
-        try:
-            with torch.device("meta"):
+        try:  # in the model's dtype, as vLLM's model loader builds it
+            with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = model_class(vllm_config=config)
         except NotImplementedError as refused:  # vLLM's CPU platform declines the layer
             record["refused"] = str(refused)
@@ -254,6 +256,47 @@ def prefix_cache(model_dir: str, serve_args: list[str]) -> dict[str, Any]:
     return record
 
 
+def memory(model_dir: str, serve_args: list[str]) -> dict[str, Any]:
+    """What of a DeepSeek-V4 rank's memory outside the KV cache vLLM's own code fixes before
+    it profiles: the model's parameters and buffers (built on the meta device: their sizes,
+    as loading allocates them), and the prefill gather workspace the FlashMLA layers reserve
+    in the warm-up dummy run (`DeepseekV4FlashMLAAttention.forward_mqa` without attention
+    metadata), run here for each attention layer on a CPU workspace manager; the largest is
+    what the shared workspace keeps."""
+    import torch
+    from vllm.forward_context import set_forward_context
+    from vllm.models.deepseek_v4.nvidia import flashmla
+    from vllm.v1.worker import workspace
+
+    with engine(model_dir, serve_args) as (config, model, record):
+        if model is None:
+            return record
+        record["parameter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        record["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.buffers())
+        reserved = {}
+        # Growing the workspace releases the accelerator's cache, which a CPU does not have.
+        torch.accelerator.empty_cache = lambda: None  # type: ignore[assignment]
+        for name, module in model.named_modules():
+            if not hasattr(module, "compress_ratio") or not hasattr(module, "swa_cache_layer"):
+                continue
+            layer = object.__new__(flashmla.DeepseekV4FlashMLAAttention)
+            torch.nn.Module.__init__(layer)
+            for key in ("compress_ratio", "max_model_len", "window_size"):
+                setattr(layer, key, getattr(module, key))
+            for key in ("max_num_batched_tokens", "max_image_tokens", "topk_indices_buffer"):
+                setattr(layer, key, getattr(module, key))
+            workspace._manager = None
+            workspace.init_workspace_manager(torch.device("cpu"))
+            q = torch.zeros(1, 64, module.head_dim, dtype=torch.bfloat16)
+            with set_forward_context(None, config):
+                layer.forward_mqa(q, None, None, torch.zeros_like(q))  # type: ignore[arg-type]
+            (buffer,) = workspace.current_workspace_manager()._current_workspaces
+            reserved[name] = 0 if buffer is None else buffer.numel() * buffer.element_size()
+        record["prefill_workspace_bytes"] = reserved
+        record["max_num_batched_tokens"] = config.scheduler_config.max_num_batched_tokens
+    return record
+
+
 def glm53(model_dir: str) -> dict[str, Any]:
     from transformers import AutoConfig
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -322,7 +365,7 @@ def glm53(model_dir: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     verb, model_dir, *rest = argv
-    verbs = {"build": build, "prefix-cache": prefix_cache}
+    verbs = {"build": build, "prefix-cache": prefix_cache, "memory": memory}
     result = verbs[verb](model_dir, rest) if verb in verbs else glm53(model_dir)
     print("CPU-CHECK " + json.dumps(result, default=str))
     return 0
