@@ -53,7 +53,7 @@ def write(
     root.mkdir(parents=True)
     (root / "catalog.toml").write_text(
         f'default = "{default}"\nreleases = {releases}\n\n[[fix]]\n'
-        'id = "demo"\ntitle = "t"\nsymptom = "s"\nmodels = []\nlayouts = []\nseeds = []\n'
+        'id = "demo"\ntitle = "t"\nsymptom = "s"\nmodels = []\nlayouts = []\n'
         "upstream = []\n" + textwrap.dedent(fix),
         encoding="utf-8",
     )

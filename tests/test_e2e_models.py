@@ -250,6 +250,58 @@ def test_vllm_builds_the_tiny_deepseek_v4_flash_on_the_meta_device(
     assert {e["routed_experts"] for e in experts} == {16}
 
 
+def test_vllms_scheduler_serves_a_resent_deepseek_v4_prompt_from_its_prefix_cache(
+    models: Path, scaled: dict[str, dict[str, Any]]
+) -> None:
+    """vllm#42948 (a re-sent request gets 0 % prefix-cache hits on DeepSeek-V4-Flash) against
+    vLLM's own KV-cache planning, Scheduler and KV cache manager over the tiny model's layer
+    specs (its sliding-window, compressed, indexer and compressor-state groups), the layout's
+    flags, chunked prefill: the re-sent prompt is served from every 256-token block but the
+    last token's. A prompt sharing only a 1000-token prefix gets no hit the first time (the
+    sliding-window groups kept their window only where the first prompt ended: vLLM records
+    the uncached common prefix) and 768 tokens the next time."""
+    found = cpu_check("prefix-cache", str(models / model.DEEPSEEK_V4_FLASH.directory()),
+                      *scaled["dsv4-flash@1"]["argv"])  # fmt: skip
+    kinds = {kind for kind, _, _ in found["groups"]}
+    assert kinds == {"SlidingWindowMLASpec", "MLAAttentionSpec"}, found["groups"]
+    assert len(found["groups"]) > 2  # a hybrid cache: several groups per kind
+    unit = found["cache_hit_alignment_tokens"]
+    assert unit == found["block_size"] == 256
+    prompt, shared = found["prompt_tokens"], found["shared_tokens"]
+    assert found["hits"] == [0, (prompt - 1) // unit * unit, 0, shared // unit * unit]
+
+
+def test_plans_deepseek_v4_memory_outside_the_kv_cache_is_vllms(
+    models: Path, scaled: dict[str, dict[str, Any]]
+) -> None:
+    """`mla-serve plan`'s non-KV figures for the tiny DeepSeek-V4-Flash against what vLLM's own
+    code fixes before it profiles (vllm#54677, #49224: more non-KV memory than planned): the
+    FlashMLA prefill gather workspace vLLM's warm-up run reserves, byte for byte, and the
+    weights, every matrix as vLLM builds it; what the plan leaves out of the weights is the
+    small tensors (norms, fp32 compressor position biases and mixers, the hash-routing
+    table), under 0.2 %. The activation peak and the CUDA graph pool are measured on a GPU
+    (the plan's reserve stands for them)."""
+    tiny = model.DEEPSEEK_V4_FLASH
+    found = cpu_check("memory", str(models / tiny.directory()), *scaled["dsv4-flash@1"]["argv"])
+    reserved = found["prefill_workspace_bytes"]
+    assert len(reserved) == 3 and len(set(reserved.values())) == 3  # one per attention kind
+    args = [
+        "plan", "--config", str(models / tiny.directory() / "config.json"),
+        "--gpu-memory-gib", "139.8", "--format", "json",
+        "--max-model-len", str(found["max_model_len"]),
+        "--max-num-batched-tokens", str(found["max_num_batched_tokens"]),
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mla_serve.cli", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    planned = json.loads(done.stdout)["per_rank"]
+    assert planned["workspace_bytes"] == max(reserved.values())
+    left_out = found["parameter_bytes"] - planned["weights_bytes"]
+    assert 0 <= left_out < 0.002 * found["parameter_bytes"], (found, planned)
+
+
 def test_vllm_takes_the_tiny_glm52_config_and_declines_sparse_mla_on_cpu(
     models: Path, scaled: dict[str, dict[str, Any]]
 ) -> None:

@@ -3,7 +3,7 @@
 Every case runs the real `mla-serve patches` code (through `cli.main`, in this process or in
 forked children that are killed for real) on trees unpacked from the released wheels:
 
-- a SIGKILL loop over `apply` on 0.27.1 (five patched files; 0003 spans two files): seeded
+- a SIGKILL loop over `apply` on 0.27.1 (nine patched files; 0003 spans two): seeded
   random kill moments, every interrupted tree repaired byte for byte by the next `apply` or
   `repair`; a SIGTERM loop, where the run must roll itself back;
 - SIGTERM/SIGINT in the middle of the write, a write error without a file name, a manifest

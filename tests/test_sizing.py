@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -552,6 +553,59 @@ def test_dsv4_cache_is_vllms_compressed_layout():
     assert cache.bytes_per_sequence == swa + states
 
 
+def test_dsv4_indexer_cache_at_the_indexer_kv_dtype():
+    """attention_config.indexer_kv_dtype (vllm#52550): DeepSeek-V4's indexer K state is 132 B
+    in fp8 (vLLM's "auto" on NVIDIA) and 68 B in mxfp4 (64 B of packed values and 4 UE8M0
+    scales, DeepseekV4Indexer's k_cache_head_dim), each page of 64 states rounded up to 576 B."""
+    from mla_serve.sizing import dsv4
+
+    shape_ = dsv4.from_config(config(DSV4_FLASH))
+    assert dsv4.indexer_state_bytes(shape_, "auto") == dsv4.indexer_state_bytes(shape_, "fp8")
+    assert dsv4.indexer_state_bytes(shape_, "fp8") == 132
+    assert dsv4.indexer_state_bytes(shape_, "mxfp4") == 68
+    fp8 = dsv4.cache(shape_, "fp8_ds_mla", dcp=1)
+    fp4 = dsv4.cache(shape_, "fp8_ds_mla", dcp=1, indexer_kv_dtype="mxfp4")
+    assert fp8.bytes_per_token - fp4.bytes_per_token == Fraction(21 * (8_640 - 4_608), 256)
+    with pytest.raises(sizing.SizingError, match="not 'nvfp4'"):
+        dsv4.indexer_state_bytes(shape_, "nvfp4")
+
+
+def test_the_plan_counts_the_indexer_at_the_profiles_dtype(capsys):
+    common = ["--config", str(DSV4_FLASH), "--gpu-memory-gib", str(B200), "--tp", "2"]
+    plans = {}
+    for dtype in ("auto", "mxfp4"):
+        code, out, err = run(capsys, *common, "--indexer-kv-dtype", dtype, "--format", "json")
+        assert code == 0, err
+        plans[dtype] = json.loads(out)
+    assert plans["auto"]["layout"]["indexer_kv_dtype"] == "fp8"
+    assert plans["mxfp4"]["layout"]["indexer_kv_dtype"] == "mxfp4"
+    assert plans["mxfp4"]["per_rank"]["kv_tokens"] > plans["auto"]["per_rank"]["kv_tokens"]
+    # GLM-5.x and DeepSeek-V3.2 keep an fp8 indexer whatever the setting: said, and counted so
+    glm = ["--config", str(GLM53_FLASH), "--gpu-memory-gib", str(B200), "--tp", "4"]
+    code, out, err = run(capsys, *glm, "--indexer-kv-dtype", "mxfp4", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert any("only DeepSeek-V4 reads it" in w for w in doc["warnings"])
+    assert doc["details"]["kv"]["indexer_bytes_per_state"] == 132
+
+
+def test_dsv4_config_in_transformers_format_sizes_the_same():
+    """transformers' DeepseekV4Config names a type per layer and a ratio per type (what vLLM's
+    get_compress_ratios reads): the same ratios as the legacy compress_ratios list."""
+    from mla_serve.sizing import dsv4
+
+    legacy = config(DSV4_FLASH)
+    names = {0: "sliding_attention", 4: "csa", 128: "hca"}
+    text = dict(legacy)
+    ratios = text.pop("compress_ratios")
+    text["layer_types"] = [names[r] for r in ratios[: text["num_hidden_layers"]]]
+    text["compress_rates"] = {"csa": 4, "hca": 128}
+    assert dsv4.from_config(text).compress_ratios == dsv4.from_config(legacy).compress_ratios
+    text.pop("compress_rates")
+    with pytest.raises(sizing.SizingError, match="compress_rates with layer_types"):
+        dsv4.from_config(text)
+
+
 def test_dsv4_plan_on_the_profile_layout(capsys):
     code, out, err = run(
         capsys,
@@ -571,13 +625,19 @@ def test_dsv4_plan_on_the_profile_layout(capsys):
     rank = doc["per_rank"]
     assert doc["layout"]["attention_backend"] == "FLASHMLA_SPARSE"
     assert doc["layout"]["kv_cache_dtype"] == "fp8_ds_mla"
-    assert rank["workspace_bytes"] == 0 and doc["warnings"] == []
+    assert doc["warnings"] == []
+    # the FlashMLA prefill gather vLLM reserves at warm-up, at the model's 1,048,576 tokens and
+    # vLLM's 16384 batched tokens on a B200: the ratio-4 layers' 4 x (262,144 + 128 + 16,384)
+    # bf16 rows of 512, 16,384 x 640 int32 indices, 16,384 int32 lengths
+    assert doc["layout"]["max_model_len"] == 1_048_576
+    gather = 4 * (262_144 + 128 + 16_384) * 512 * 2
+    assert rank["workspace_bytes"] == gather + 16_384 * 640 * 4 + 16_384 * 4
     # the routed experts (MXFP4, 128 of 256 per rank under EP2) dominate the weights
     parts = doc["details"]["weights_breakdown"]
     experts = 43 * 128 * 3 * (2048 * 4096 // 2 + 2048 * 4096 // 32)
     assert parts["routed_experts"] == experts
     assert rank["weights_bytes"] == sum(parts.values())
-    budget = int(int(B200 * GiB) * 0.92) - rank["weights_bytes"] - 8 * GiB
+    budget = int(int(B200 * GiB) * 0.92) - rank["weights_bytes"] - rank["workspace_bytes"] - 8 * GiB
     assert rank["kv_budget_bytes"] == budget
     assert rank["kv_tokens"] == int(budget / rank["kv_bytes_per_token"])
     code, out, _ = run(

@@ -137,7 +137,6 @@ class Fix:
     symptom: str
     models: tuple[str, ...]
     layouts: tuple[str, ...]
-    seeds: tuple[str, ...]
     upstream: tuple[str, ...]
     releases: dict[str, ReleaseStatus]
     upstream_tests: UpstreamTests | None = None
@@ -330,7 +329,6 @@ def _fix(
         symptom=entry["symptom"],
         models=tuple(entry["models"]),
         layouts=tuple(entry["layouts"]),
-        seeds=tuple(entry["seeds"]),
         upstream=tuple(entry["upstream"]),
         releases=statuses,
         upstream_tests=_upstream_tests(fix_id, entry.get("upstream_tests"), releases),

@@ -84,7 +84,6 @@ def catalog_json(catalog: Catalog) -> dict[str, Any]:
                 "symptom": fix.symptom,
                 "models": list(fix.models),
                 "layouts": list(fix.layouts),
-                "seeds": list(fix.seeds),
                 "upstream": list(fix.upstream),
                 "affected": list(fix.affected),
                 "fixed_upstream": fix.fixed_upstream,

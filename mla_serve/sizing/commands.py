@@ -78,6 +78,20 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="KV cache dtype (default auto: the model dtype, or the checkpoint's KV scheme)",
     )
     sub.add_argument(
+        "--indexer-kv-dtype",
+        choices=("auto", "fp8", "mxfp4"),
+        default="auto",
+        help="vLLM's attention_config.indexer_kv_dtype (default auto: fp8); DeepSeek-V4's "
+        "indexer K cache takes mxfp4 on SM10x (68 B a state instead of 132)",
+    )
+    sub.add_argument(
+        "--max-model-len",
+        type=_positive,
+        metavar="N",
+        help="--max-model-len (default: the model's max_position_embeddings); sizes "
+        "DeepSeek-V4's FlashMLA prefill workspace",
+    )
+    sub.add_argument(
         "--attention-backend",
         choices=backend.BACKENDS,
         help="force a sparse-MLA backend (default: what vLLM 0.33.0 picks on "
@@ -151,6 +165,8 @@ def layout_from_args(args: argparse.Namespace) -> planning.Layout:
         expert_dtype=args.expert_dtype,
         weights_bytes=weights,
         mtp=args.mtp,
+        max_model_len=args.max_model_len,
+        indexer_kv_dtype=args.indexer_kv_dtype,
     )
 
 

@@ -10,15 +10,22 @@ c = 4 layers an indexer K cache per 4 tokens:
   FlashMLA path (`_select_dsv4_attn_cls`: FlashInfer only when asked for, or on SM12x), which
   stores fp8_ds_mla states of 584 B (448 B NoPE fp8 + 128 B RoPE bf16 + 8 B scales) per c
   tokens; FlashInfer's path stores plain rows: 512 x 1 B (fp8) or 512 x 2 B (bf16);
-- indexer K cache (`DeepseekV4IndexerCache`, c = 4 layers): index_head_dim fp8 values + one
-  fp32 scale per 128, i.e. 132 B, per 4 tokens;
+- indexer K cache (`DeepseekV4IndexerCache`, c = 4 layers), at `attention_config.indexer_kv_dtype`
+  (`dsa_indexer_uses_fp4`): fp8 ("auto"), index_head_dim fp8 values + one fp32 scale per 128,
+  i.e. 132 B, or mxfp4 (SM10x only), two values per byte + one UE8M0 scale per 32, i.e. 68 B,
+  per 4 tokens;
 - per sequence, whatever its length (`DeepseekV4SWACache`, `CompressorStateCache`): the
   sliding window (sliding_window tokens x the KV row, every layer) and the compressors'
   fp32 states (window 2c for c = 4, c for c = 128; width 2 x coff x head_dim, coff = 2 for
   c = 4), plus the c = 4 indexer's own compressor.
 
 All specs are `dcp_sharded` AttentionSpecs with one KV head (`max_tp_shards=1`): TP does not
-split them, DCP divides the per-token part. Weights: vLLM's sharding of the V4 blocks
+split them, DCP divides the per-token part. Outside the KV cache, besides the weights: the
+prefill gather workspace the FlashMLA layers reserve in vLLM's warm-up dummy run
+(`DeepseekV4FlashMLAAttention.forward_mqa` without metadata: per layer a bf16 gather of
+PREFILL_CHUNK_SIZE x (ceil(max_model_len / c) + window + max-num-batched-tokens) rows of
+head_dim, plus int32 indices and lengths per batched token; the largest layer's is kept, in
+the one shared workspace). Weights: vLLM's sharding of the V4 blocks
 (replicated fused_wqa_wkv and indexer, wq_b / wo_a column-, wo_b row-parallel, shared expert
 over TP, routed experts over EP or TP), fp8 blocks from `quantization_config`, the routed
 experts in `expert_dtype` (fp4: MXFP4), embedding and lm_head bf16 over TP.
@@ -35,7 +42,12 @@ from mla_serve.sizing.shape import SizingError
 
 PACKED_STATE_BYTES = 584  # fp8_ds_mla: 448 NoPE + 128 RoPE + 8 scale bytes
 INDEXER_QUANT_BLOCK = 128
+MXFP4_BLOCK = 32  # vLLM's MXFP4_BLOCK_SIZE: one UE8M0 scale byte per 32 values
+INDEXER_KV_DTYPES = ("auto", "fp8", "mxfp4")  # what DeepSeek-V4's indexer takes (0.33.0)
 VOCAB_PADDING = 64
+PREFILL_CHUNK_SIZE = 4  # DeepseekV4Attention.PREFILL_CHUNK_SIZE: requests per prefill chunk
+TOPK_ALIGNMENT = 128  # the combined top-k + window width is rounded up to this
+WORKSPACE_ALIGNMENT = 256  # WorkspaceManager.get_simultaneous rounds each tensor up to it
 
 
 def is_dsv4(config: dict[str, Any]) -> bool:
@@ -58,6 +70,7 @@ class Shape:
     sliding_window: int
     index_n_heads: int
     index_head_dim: int
+    index_topk: int
     n_routed_experts: int
     n_shared_experts: int
     moe_intermediate_size: int
@@ -87,11 +100,19 @@ def from_config(config: dict[str, Any], name: str = "") -> Shape:
         "moe_intermediate_size",
         "vocab_size",
     )
-    missing = [key for key in need if text.get(key) is None]
+    ratios_given = text.get("compress_ratios")
+    if ratios_given is None and isinstance(text.get("compress_rates"), dict):
+        # transformers' DeepseekV4Config: a type per layer and a ratio per type (vLLM's
+        # get_compress_ratios, vllm/transformers_utils/deepseek_v4_utils.py; 0 = window only).
+        rates, kinds = text["compress_rates"], text.get("layer_types") or []
+        ratios_given = [rates.get(kind, 0) for kind in kinds]
+    missing = [key for key in need if key != "compress_ratios" and text.get(key) is None]
+    if ratios_given is None:
+        missing.append("compress_ratios (or compress_rates with layer_types)")
     if missing:
         raise SizingError(f"DeepSeek-V4 config lacks {', '.join(missing)}")
     layers = int(text["num_hidden_layers"])
-    ratios = tuple(int(r) for r in text["compress_ratios"])
+    ratios = tuple(int(r) for r in ratios_given)
     if len(ratios) < layers or any(r not in (0, 1, 4, 128) for r in ratios[:layers]):
         raise SizingError(
             f"compress_ratios must give 0, 1, 4 or 128 for each of the {layers} layers"
@@ -109,6 +130,7 @@ def from_config(config: dict[str, Any], name: str = "") -> Shape:
         sliding_window=int(text["sliding_window"]),
         index_n_heads=int(text["index_n_heads"]),
         index_head_dim=int(text["index_head_dim"]),
+        index_topk=int(text.get("index_topk") or 0),
         n_routed_experts=int(text["n_routed_experts"]),
         n_shared_experts=int(text.get("n_shared_experts") or 0),
         moe_intermediate_size=int(text["moe_intermediate_size"]),
@@ -162,9 +184,45 @@ def page_bytes_per_token(ratio: int, state_bytes: int, alignment: int) -> Fracti
     return Fraction(page, PAGE_TOKENS)
 
 
-def cache(shape: Shape, kv_cache_dtype: str, dcp: int) -> Cache:
+def indexer_state_bytes(shape: Shape, indexer_kv_dtype: str) -> int:
+    """One indexer K state: fp8 (vLLM's "auto" for DeepSeek-V4 on NVIDIA) or mxfp4."""
+    if indexer_kv_dtype not in INDEXER_KV_DTYPES:
+        raise SizingError(
+            f"DeepSeek-V4's indexer takes indexer_kv_dtype {', '.join(INDEXER_KV_DTYPES)}, "
+            f"not {indexer_kv_dtype!r}"
+        )
+    if indexer_kv_dtype == "mxfp4":
+        return shape.index_head_dim // 2 + shape.index_head_dim // MXFP4_BLOCK
+    return shape.index_head_dim + shape.index_head_dim // INDEXER_QUANT_BLOCK * 4
+
+
+def prefill_workspace_bytes(shape: Shape, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """The workspace vLLM 0.33.0 reserves for DeepSeek-V4's FlashMLA prefill in the warm-up
+    dummy run, the largest layer's (`forward_mqa` without attention metadata)."""
+
+    def aligned(nbytes: int) -> int:
+        return _ceil(nbytes, WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+
+    tokens = max_num_batched_tokens
+    largest = 0
+    for ratio in set(shape.compress_ratios):
+        swa_only = ratio <= 1
+        compressed = 0 if swa_only else _ceil(max_model_len, ratio)
+        rows = compressed + shape.sliding_window + tokens
+        top_k = 0 if swa_only else shape.index_topk
+        width = _ceil(top_k + shape.sliding_window, TOPK_ALIGNMENT) * TOPK_ALIGNMENT
+        largest = max(
+            largest,
+            aligned(PREFILL_CHUNK_SIZE * rows * shape.head_dim * 2)  # bf16 gathered KV
+            + aligned(tokens * width * 4)  # int32 combined indices
+            + aligned(tokens * 4),  # int32 lengths
+        )
+    return largest
+
+
+def cache(shape: Shape, kv_cache_dtype: str, dcp: int, indexer_kv_dtype: str = "auto") -> Cache:
     """`kv_cache_dtype` as stored: fp8_ds_mla (FlashMLA, SM100's default) or, on FlashInfer's
-    path, fp8 / bf16 rows."""
+    path, fp8 / bf16 rows; the indexer at `indexer_kv_dtype`."""
     if kv_cache_dtype == "fp8_ds_mla":
         row = PACKED_STATE_BYTES
     elif kv_cache_dtype in ("fp8", "fp8_e4m3"):
@@ -176,7 +234,7 @@ def cache(shape: Shape, kv_cache_dtype: str, dcp: int) -> Cache:
         if ratio > 1:
             compressed[ratio] = compressed.get(ratio, 0) + 1
     c4 = compressed.get(4, 0)
-    indexer = shape.index_head_dim + shape.index_head_dim // INDEXER_QUANT_BLOCK * 4
+    indexer = indexer_state_bytes(shape, indexer_kv_dtype)
     # Per sequence: the sliding window of every layer, the compressors' fp32 states.
     swa = shape.num_layers * shape.sliding_window * row
     states = 0
@@ -279,6 +337,9 @@ class Plan:
     kv_cache_dtype: str
     kv_cache_dtype_requested: str
     attention_backend: str
+    max_model_len: int
+    indexer_kv_dtype: str
+    workspace_bytes: int
     weights_bytes: int
     weights_estimated: bool
     weights_breakdown: dict[str, int]
@@ -306,11 +367,13 @@ class Plan:
                 "dp": self.dp,
                 "ep": self.ep,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_model_len": self.max_model_len,
                 "kv_cache_dtype": self.kv_cache_dtype,
+                "indexer_kv_dtype": self.indexer_kv_dtype,
                 "attention_backend": self.attention_backend,
             },
             "per_rank": {
-                "workspace_bytes": 0,
+                "workspace_bytes": self.workspace_bytes,
                 "weights_bytes": self.weights_bytes,
                 "kv_bytes_per_token": number,
                 "kv_budget_bytes": self.kv_budget_bytes,
@@ -327,8 +390,9 @@ class Plan:
                 "gpus_per_engine": self.tp,
                 "gpus_total": self.tp * self.dp,
                 "kv_cache_dtype_requested": self.kv_cache_dtype_requested,
-                "workspace_allocated": False,
-                "workspace_required_bytes": 0,
+                "workspace_allocated": True,
+                "workspace_required_bytes": self.workspace_bytes,
+                "workspace": "FlashMLA prefill gather (reserved in vLLM's warm-up dummy run)",
                 "weights_estimated": self.weights_estimated,
                 "weight_scheme": self.weight_scheme,
                 "weights_breakdown": dict(self.weights_breakdown),
@@ -353,7 +417,8 @@ class Plan:
             f"layout       TP{self.tp} DCP{self.dcp} DP{self.dp} EP{self.ep}: {self.tp} GPU(s) "
             f"per engine, {self.tp * self.dp} in all; max-num-batched-tokens "
             f"{self.max_num_batched_tokens}",
-            f"attention    {self.attention_backend}, KV cache {self.kv_cache_dtype}",
+            f"attention    {self.attention_backend}, KV cache {self.kv_cache_dtype}, indexer "
+            f"{self.indexer_kv_dtype}",
             f"weights      {self.weight_scheme}"
             if self.weights_estimated
             else "weights      given (--weights-gib)",
@@ -366,7 +431,8 @@ class Plan:
         for part, nbytes in self.weights_breakdown.items():
             lines.append(f"    {part.replace('_', ' '):22} {nbytes / gib:>8.2f} GiB")
         lines += [
-            f"  workspace         not allocated ({self.attention_backend})",
+            f"  workspace         {self.workspace_bytes / gib:.2f} GiB  (FlashMLA prefill gather "
+            f"at max-model-len {self.max_model_len:,})",
             f"  reserve           {self.reserve_bytes / gib:.2f} GiB  "
             "(activations, CUDA graphs, NCCL)",
             f"  KV budget         {self.kv_budget_bytes / gib:.2f} GiB "

@@ -76,6 +76,8 @@ class Layout:
     expert_dtype: str | None = None
     weights_bytes: int | None = None  # replaces the estimate
     mtp: bool = False
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (DeepSeek-V4)
+    indexer_kv_dtype: str = "auto"  # attention_config.indexer_kv_dtype
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,19 @@ def plan_dsv4(config: dict[str, Any], layout: Layout, name: str = "") -> dsv4.Pl
         "vLLM 0.33.0 runs DeepSeek-V4 on SM100 with FlashMLA (fp8_ds_mla, 584 B states) "
         "unless FLASHINFER_MLA_SPARSE_DSV4 is asked for; no FlashInfer workspace is allocated"
     )
-    cache = dsv4.cache(shape, "fp8_ds_mla", layout.dcp)
+    # dsa_indexer_uses_fp4 (v1/attention/backends/mla/indexer.py): "auto" is fp8 on NVIDIA;
+    # mxfp4 needs SM10x, the GPUs this plan is for.
+    indexer_dtype = "fp8" if layout.indexer_kv_dtype == "auto" else layout.indexer_kv_dtype
+    cache = dsv4.cache(shape, "fp8_ds_mla", layout.dcp, indexer_dtype)
+    max_model_len = layout.max_model_len or shape.max_position_embeddings
+    if max_model_len < 1:
+        raise SizingError("give --max-model-len: the config has no max_position_embeddings")
+    workspace = dsv4.prefill_workspace_bytes(shape, max_model_len, tokens)
+    notes.append(
+        f"the FlashMLA prefill gather workspace ({workspace / GiB:.2f} GiB) is what vLLM "
+        f"reserves in its warm-up run for max-model-len {max_model_len:,} and "
+        f"{tokens} batched tokens; it grows with both"
+    )
     if layout.weight_dtype is not None:
         dense = expert = quant.OVERRIDES[layout.weight_dtype]
         scheme = f"{layout.weight_dtype} (override)"
@@ -276,12 +290,13 @@ def plan_dsv4(config: dict[str, Any], layout: Layout, name: str = "") -> dsv4.Pl
     estimated = layout.weights_bytes is None
     weight_total = sum(breakdown.values()) if estimated else int(layout.weights_bytes or 0)
     usable = int(layout.gpu_memory_bytes * layout.gpu_memory_utilization)
-    budget = usable - weight_total - layout.reserve_bytes
+    budget = usable - weight_total - workspace - layout.reserve_bytes
     kv_tokens = int(budget / cache.bytes_per_token) if budget > 0 else 0
     if budget < 0:
         warnings.append(
             f"KV budget is negative ({budget / GiB:.2f} GiB): weights {weight_total / GiB:.2f} "
-            f"+ reserve {layout.reserve_bytes / GiB:.2f} GiB exceed "
+            f"+ workspace {workspace / GiB:.2f} + reserve {layout.reserve_bytes / GiB:.2f} GiB "
+            "exceed "
             f"{layout.gpu_memory_utilization} x {layout.gpu_memory_bytes / GiB:.2f} GiB"
         )
     notes.append(
@@ -303,6 +318,9 @@ def plan_dsv4(config: dict[str, Any], layout: Layout, name: str = "") -> dsv4.Pl
         kv_cache_dtype="fp8_ds_mla",
         kv_cache_dtype_requested=requested,
         attention_backend=backend_.FLASHMLA,
+        max_model_len=max_model_len,
+        indexer_kv_dtype=indexer_dtype,
+        workspace_bytes=workspace,
         weights_bytes=weight_total,
         weights_estimated=estimated,
         weights_breakdown=breakdown,
@@ -326,7 +344,7 @@ def shortfall(result: Plan | dsv4.Plan, layout: Layout) -> str | None:
     """
     if result.kv_tokens > 0:
         return None
-    workspace = result.workspace_bytes if isinstance(result, Plan) else 0
+    workspace = result.workspace_bytes
     reserve = layout.reserve_bytes
     budget = result.kv_budget_bytes
     left = (
@@ -418,6 +436,14 @@ def plan(config: dict[str, Any] | ModelShape, layout: Layout, name: str = "") ->
     if not allocated:
         notes.append(
             f"{choice.backend} does not allocate the FlashInfer trtllm-gen sparse-MLA workspace"
+        )
+
+    if layout.indexer_kv_dtype not in ("auto", "fp8"):
+        warnings.append(
+            f"indexer_kv_dtype {layout.indexer_kv_dtype} is not what {shape.architecture} "
+            "stores: vLLM 0.33.0's DeepSeek-V3.2 / GLM-5.x indexers lay their K cache out as "
+            "fp8 (132 B) whatever attention_config.indexer_kv_dtype says (only DeepSeek-V4 "
+            "reads it); counted at 132 B"
         )
 
     scheme = quant.scheme(shape.quantization, layout.weight_dtype, layout.expert_dtype, warnings)

@@ -71,6 +71,12 @@ BLACKWELL_ONLY = {  # attention backends Hopper cannot run, with vLLM's reason
     "FLASHINFER_MLA": "FlashInfer's trtllm-gen MLA runs on SM100 only",
     "CUTLASS_MLA": "CUTLASS MLA runs on SM100 only",
 }
+# Settings Hopper refuses, with vLLM 0.33.0's reason: the flag=value -> why it goes.
+BLACKWELL_SETTINGS = {
+    "--attention-config.indexer_kv_dtype=mxfp4": (
+        "vLLM's MXFP4 indexer cache needs SM10x (dsa_indexer_uses_fp4 refuses the rest)"
+    ),
+}
 PARALLEL = (
     "--tensor-parallel-size",
     "--prefill-context-parallel-size",
@@ -135,6 +141,8 @@ def scale(
             dropped[name] = f"the tiny {tiny.family} has no routed experts"
         elif name == "--attention-backend" and value in BLACKWELL_ONLY:
             dropped[f"{name}={value}"] = BLACKWELL_ONLY[value]
+        elif f"{name}={value}" in BLACKWELL_SETTINGS:
+            dropped[name] = f"{value}: " + BLACKWELL_SETTINGS[f"{name}={value}"]
         else:
             backend = value if name == "--attention-backend" else backend
             kept.append(f"{name}={value}" if value is not None else name)

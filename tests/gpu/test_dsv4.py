@@ -1,13 +1,13 @@
-"""Seeds 003 and 004 under real CUDA graphs.
+"""vllm#52448's two fixes (vllm#52492, #51318) under real CUDA graphs.
 
-003: the DeepSeek-V4 indexer's short-context decision is taken while a real
+vllm#52492: the DeepSeek-V4 indexer's short-context decision is taken while a real
 graph captures (torch.cuda.is_current_stream_capturing() is true for real); the
 captured graph is then replayed for a long prefix. The shortcut runs vLLM's own
 `_fill_short_context_topk_indices` Triton kernel; the scoring path after it
 needs DeepGEMM's compiled kernels, so a stand-in scores candidates with plain
 torch ops (capturable), enough to tell "scored" from "first topk".
 
-004: vLLM's own C128A metadata kernel writes rows that a consumer captured at
+vllm#51318: vLLM's own C128A metadata kernel writes rows that a consumer captured at
 one batch shape reads back on replay at another.
 """
 

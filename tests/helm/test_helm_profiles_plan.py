@@ -43,6 +43,15 @@ def mla_serve() -> list[str]:
     return [found] if found else [sys.executable, "-m", "mla_serve.cli"]
 
 
+def extra_arg(vllm: dict[str, Any], flag: str) -> str | None:
+    """The value a profile gives `flag` in vllm.extraArgs (`FLAG=VALUE`), or None."""
+    for arg in vllm.get("extraArgs") or []:
+        name, _, value = str(arg).partition("=")
+        if name == flag:
+            return value
+    return None
+
+
 def plan_args(values: dict[str, Any], **overrides: Any) -> list[str]:
     p, v = values["parallelism"], values["vllm"]
     fixture, extra = MODELS[values["model"]["name"]]
@@ -57,6 +66,9 @@ def plan_args(values: dict[str, Any], **overrides: Any) -> list[str]:
         "max-num-batched-tokens": v.get("maxNumBatchedTokens"),
         "kv-cache-dtype": v.get("kvCacheDtype") or "auto",
         "attention-backend": v.get("attentionBackend") or None,
+        # DeepSeek-V4's prefill workspace grows with it (the other models' plans do not read it)
+        "max-model-len": v.get("maxModelLen") if fixture == "DeepSeek-V4-Flash" else None,
+        "indexer-kv-dtype": extra_arg(v, "--attention-config.indexer_kv_dtype"),
     }
     settings.update({k.replace("_", "-"): value for k, value in overrides.items()})
     args = ["plan", "--config", str(FIXTURES / fixture / "config.json"), "--format", "json"]

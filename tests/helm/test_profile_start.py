@@ -46,6 +46,7 @@ GiB = 1 << 30
 GPUS: dict[str, tuple[str, tuple[int, int]]] = {
     "NVIDIA-B200": ("NVIDIA B200", (10, 0)),
     "NVIDIA-GB300": ("NVIDIA GB300", (10, 3)),
+    "NVIDIA-H200": ("NVIDIA H200", (9, 0)),  # no profile names it: the refusal case below
 }
 
 # The checkpoints' quantization as vLLM reads it from config.json: nvidia/GLM-5.2-NVFP4 is the
@@ -58,8 +59,9 @@ QUANTIZATION: dict[str, dict[str, Any]] = {
     },
 }
 
-# The profiles before their layouts were fixed, as overrides of today's files, and vLLM's
-# refusal of each (stage of the probe, start of the message). "@kv-auto": the PCP+DCP
+# The profiles before their layouts were fixed (and one on a GPU it does not name), as
+# overrides of today's files, and vLLM's refusal of each (stage of the probe, start of the
+# message). "@kv-auto": the PCP+DCP
 # profile with only the DCP backend fixed, i.e. GLM-5.2's `auto` KV dtype under a forced
 # FLASHMLA_SPARSE.
 PRISTINE: dict[str, tuple[str, dict[str, Any], str, str]] = {
@@ -81,6 +83,13 @@ PRISTINE: dict[str, tuple[str, dict[str, Any], str, str]] = {
         {"vllm": {"maxModelLen": None, "gpuMemoryUtilization": 0.85}},
         "kv",
         "ValueError: To serve at least one request with the model's max seq len (1048576)",
+    ),
+    # The DeepSeek-V4 profile's MXFP4 indexer cache on a Hopper GPU: vLLM refuses it.
+    "dsv4-flash@h200": (
+        "dsv4-flash",
+        {"gpu": {"product": "NVIDIA-H200", "memoryGiB": 139.8}},
+        "config",
+        "ValueError: indexer_kv_dtype='mxfp4' requires Blackwell datacenter GPUs (sm_10x",
     ),
     "b200-tp1-pcp4@pristine": (
         "b200-tp1-pcp4",
@@ -243,6 +252,18 @@ def test_b200_default_batched_token_cap_is_16384(starts: dict[str, Any]) -> None
             "maxNumBatchedTokens"
         ):
             assert starts[profile]["facts"]["max_num_batched_tokens"] == 16384, profile
+
+
+def test_indexer_cache_dtype_per_profile(starts: dict[str, Any]) -> None:
+    """vllm#52550: the DeepSeek-V4 profile asks for the MXFP4 indexer cache
+    (attention_config.indexer_kv_dtype) and vLLM takes it on the B200 it names; GLM-5.2's
+    profiles leave it at auto, fp8. On an H200 vLLM refuses the DeepSeek-V4 profile's
+    setting (test_pristine_profile_fails_with_vllms_message, dsv4-flash@h200)."""
+    dsv4 = starts["dsv4-flash"]["facts"]
+    assert (dsv4["indexer_kv_dtype"], dsv4["indexer_cache"]) == ("mxfp4", "mxfp4")
+    for profile in ("b200-tp2-pcp2", "b200-tp1-pcp4", "b200-tp1-pcp4-dcp4"):
+        facts = starts[profile]["facts"]
+        assert (facts["indexer_kv_dtype"], facts["indexer_cache"]) == ("auto", "fp8"), profile
 
 
 def test_glm52_kv_cache_is_fp8_on_blackwell(starts: dict[str, Any]) -> None:

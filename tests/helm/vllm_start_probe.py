@@ -15,7 +15,9 @@ What runs is vLLM's code, unchanged:
 2. `create_engine_config()` -> `VllmConfig`: the model's `verify_and_update_config` hook
    (vllm/model_executor/models/config.py: GLM-5.2's KV dtype and DCP defaults), the
    parallel, scheduler, cache and compilation checks and the platform's
-   `check_and_update_config`,
+   `check_and_update_config`; for a sparse-indexer model, `dsa_indexer_uses_fp4`, which
+   decides the indexer K-cache format from `attention_config.indexer_kv_dtype` and refuses
+   mxfp4 off SM10x,
 3. `PCPManager.validate_config` (vllm/v1/worker/gpu/pcp_manager.py), which the model runner
    calls when it builds its PCP manager on each GPU worker,
 4. the engine core's KV-cache planning for one rank (`resolve_kv_cache_layout`,
@@ -239,7 +241,18 @@ def check(target: dict[str, Any]) -> dict[str, Any]:
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             cudagraph_mode=config.compilation_config.cudagraph_mode.name,
             use_v2_model_runner=config.use_v2_model_runner,
+            indexer_kv_dtype=config.attention_config.indexer_kv_dtype,
         )
+        if getattr(config.model_config.hf_text_config, "index_topk", None):
+            # The sparse indexer's K-cache format, decided by vLLM's own check on the declared
+            # GPU (mxfp4 only on SM10x); DeepSeek-V4's indexer builds its cache from it.
+            import vllm.platforms as platforms
+            from vllm.v1.attention.backends.mla import indexer
+
+            # The module was imported under the CPU platform (with the model loader, before
+            # the target was declared) and bound it then; it reads the declared one here.
+            indexer.current_platform = platforms.current_platform  # type: ignore[attr-defined]
+            facts["indexer_cache"] = "mxfp4" if indexer.dsa_indexer_uses_fp4(config) else "fp8"
         result["stage"] = "pcp"
         if parallel.prefill_context_parallel_size > 1:
             from vllm.v1.worker.gpu.pcp_manager import PCPManager

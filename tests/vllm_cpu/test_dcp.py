@@ -1,4 +1,5 @@
-"""Seed 002 on vLLM's own code: empty DCP shards, workspace size, rank tensor, PCP+DCP."""
+"""vllm#55879's DCP/PCP fixes on vLLM's own code: empty DCP shards, workspace size, rank
+tensor, PCP+DCP."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_non_empty_shards_are_masked_as_before(expect):
     assert torch.isneginf(lse).all(dim=1).tolist() == [False, False, True, True, True]
 
 
-def test_workspace_size_is_byte_exact_on_seed_002(expect):
+def test_workspace_size_is_byte_exact_on_the_reported_figures(expect):
+    """The sizes vllm#50781 reported (64 heads per rank, DCP 4), byte for byte."""
     fixed = expect.fixed("dcp-workspace-sizing")
     backend = importlib.import_module("vllm.v1.attention.backends.mla.flashinfer_mla_sparse")
     compute = getattr(backend, "compute_trtllm_sparse_mla_workspace_bytes", None)

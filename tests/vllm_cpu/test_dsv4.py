@@ -1,4 +1,4 @@
-"""Seeds 003 and 004 on vLLM's own DeepSeek-V4 code."""
+"""vllm#52448's two fixes (vllm#52492, #51318) on vLLM's own DeepSeek-V4 code."""
 
 from __future__ import annotations
 

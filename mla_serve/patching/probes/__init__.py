@@ -10,7 +10,7 @@ affected code does not exist, the probe checks that absence, so a backport of
 the buggy code would fail it.
 
 Where the property is arithmetic (the workspace size), the probe runs the
-tree's own function on seed 002's reported figures.
+tree's own function on the figures reported in vllm#50781.
 
 Each fix's probe is the module named after it (`dcp-workspace-sizing`: dcp_workspace_sizing.py),
 one function registered with `@probe("<fix id>")`; every module of this package is imported

@@ -9,14 +9,15 @@ from mla_serve.patching.probes import ProbeResult, probe
 from mla_serve.patching.probes.syntax import FLASHINFER_SPARSE, calls, find_function, parse_module
 from mla_serve.patching.tree import VllmTree
 
-# Seed 002: 64 heads per rank, DCP 4, vLLM's 394 MiB default workspace.
-SEED_002_WORKSPACE = {4096: 2_561_671_168, 32768: 17_594_056_704}
+# The figures reported in vllm#50781 (fixed by vllm#55879, which carries #50791's sizing): 64
+# heads per rank, DCP 4, vLLM's 394 MiB default workspace.
+REPORTED_WORKSPACE = {4096: 2_561_671_168, 32768: 17_594_056_704}
 DEFAULT_WORKSPACE_BYTES = 394 * 1024 * 1024
 
 
 @probe("dcp-workspace-sizing")
 def _dcp_workspace_sizing(tree: VllmTree) -> ProbeResult:
-    """The sparse-MLA workspace grows with DCP; seed 002's figures come out byte-exact."""
+    """The sparse-MLA workspace grows with DCP; vllm#50781's figures come out byte-exact."""
     module = parse_module(tree, FLASHINFER_SPARSE)
     if module is None:
         return ProbeResult(True, "no FlashInfer sparse MLA backend in this release (code absent)")
@@ -24,7 +25,7 @@ def _dcp_workspace_sizing(tree: VllmTree) -> ProbeResult:
     if function is None:
         return ProbeResult(False, "no compute_trtllm_sparse_mla_workspace_bytes(): fixed 394 MiB")
     compute = _isolate(module, function)
-    for tokens, expected in SEED_002_WORKSPACE.items():
+    for tokens, expected in REPORTED_WORKSPACE.items():
         got = compute(DEFAULT_WORKSPACE_BYTES, 4, 64, tokens)
         if got != expected:
             return ProbeResult(False, f"DCP4/64 heads/{tokens} tokens gives {got}, not {expected}")
@@ -41,7 +42,9 @@ def _dcp_workspace_sizing(tree: VllmTree) -> ProbeResult:
     )
     if not preallocates:
         return ProbeResult(False, "no metadata builder sizes the workspace before capture")
-    return ProbeResult(True, "DCP-aware size, byte-exact on seed 002; preallocated in the builder")
+    return ProbeResult(
+        True, "DCP-aware size, byte-exact on vllm#50781's figures; preallocated in the builder"
+    )
 
 
 def _isolate(module: ast.Module, function: ast.FunctionDef) -> Callable[..., int]:
