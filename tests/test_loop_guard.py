@@ -98,7 +98,7 @@ def test_stop_ends_the_stream_early_aborts_upstream_and_counts_the_tokens_saved(
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 1
     assert count(url, "mla_serve_runaways_by_cause_total", model=MODEL, cause="loop") == 1
     assert count(url, "mla_serve_runaway_tokens_total", model=MODEL) == emitted
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="length") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="length") == 1
 
 
 def test_observe_and_stop_differ_by_the_tokens_saved_on_vllms_own_counter(vllm, sidecar):

@@ -38,7 +38,7 @@ def test_non_streamed_answer_passes_through_and_is_counted(sidecar):
     assert choice.message.content == "word0 word1 word2 word3 word4 "
     assert choice.message.model_extra["reasoning"] == "think0 think1 think2 "
     assert response.usage.completion_tokens_details.reasoning_tokens == 3
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 0
 
 
@@ -61,7 +61,7 @@ def test_streamed_answer_arrives_chunk_by_chunk_without_extra_usage(vllm, sideca
     assert vllm.behaviour.requests[-1]["stream_options"] == {"include_usage": True}
     # Forwarded as produced: the first chunk long before the last.
     assert arrivals[0] < arrivals[-1] - 0.3
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
 
 
 def test_usage_the_client_asks_for_is_kept(sidecar):
@@ -88,7 +88,7 @@ def test_runaways_are_counted_with_their_tokens_and_listed_without_text(sidecar,
         assert response.choices[0].message.content is None
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 1
     assert count(url, "mla_serve_runaway_tokens_total", model=MODEL) == 64
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="length") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="length") == 1
     (recent,) = httpx.get(f"{url}/status").json()["runaways"]["recent"]
     assert recent["request_id"] == request_id
     assert recent["completion_tokens"] == 64 and recent["reasoning_tokens"] == 64
@@ -101,7 +101,7 @@ def test_tool_calls_and_truncated_answers_are_not_runaways(sidecar):
     assert response.choices[0].message.tool_calls[0].function.name == "get_weather"
     chunks = list(client(url).chat.completions.create(**ask("[tools] weather?"), stream=True))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="tool_calls") == 2
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="tool_calls") == 2
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 0
     truncated = Choice(visible=True, finish_reason="length")
     assert not truncated.runaway
@@ -116,7 +116,7 @@ def test_completions_endpoint_runaway_is_whitespace_at_the_cap(sidecar):
     answer = client(url).completions.create(model=MODEL, prompt="hello", max_tokens=10)
     assert answer.choices[0].text.startswith("word0")
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 1
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
 
 
 def test_status_headers_and_bodies_are_vllms_own(vllm, sidecar):
@@ -253,7 +253,7 @@ def test_counters_are_exact_under_concurrency(sidecar):
     asyncio.run(run())
     assert count(url, "mla_serve_runaway_completions_total", model=MODEL) == 32
     assert count(url, "mla_serve_runaway_tokens_total", model=MODEL) == 32 * 20
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 64
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 64
 
 
 def test_canary_runaways_are_counted_apart(vllm, sidecar, tmp_path: Path):
@@ -269,3 +269,21 @@ def test_canary_runaways_are_counted_apart(vllm, sidecar, tmp_path: Path):
     canary = httpx.get(f"{url}/status").json()["canary"]
     assert canary["enabled"] and canary["last_round"]["requests"] == 4
     assert vllm.behaviour.requests[0]["max_tokens"] == 16
+
+
+def test_metrics_have_no_created_series_and_vllms_label_name(sidecar):
+    """Counters and histograms export their samples only (no `_created` twin per series), and
+    the finish label is named as vLLM's own (`vllm:request_success_total{finished_reason}`)."""
+    url = sidecar()
+    client(url).chat.completions.create(**ask("hello", max_tokens=32))
+    client(url).chat.completions.create(**ask("[runaway] go", max_tokens=8))
+    for _ in client(url).chat.completions.create(
+        **ask("[loop:phrase] go", max_tokens=600), stream=True
+    ):
+        pass  # a loop the guard confirms while it streams: the detection histogram
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert any(line.startswith("mla_serve_runaway_completions_total{") for line in series)
+    assert any(line.startswith("mla_serve_loop_detection_tokens_bucket{") for line in series)
+    assert [line for line in series if "_created" in line.split("{")[0]] == []
+    assert 'finished_reason="length"' in text and "finish_reason=" not in text

@@ -252,7 +252,7 @@ def test_odd_chunkings_pass_unchanged_and_count_once(sidecar, scripted, case: st
     scripted.plans.append(plan)
     received = stream(url)
     assert received == sent
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason=finish) == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason=finish) == 1
     assert count(url, "mla_serve_unparsed_events_total") == 0
     assert count(url, "mla_serve_truncated_responses_total") == 0
 
@@ -263,7 +263,7 @@ def test_the_usage_the_sidecar_asked_for_is_dropped_across_odd_reads(sidecar, sc
     received = stream(url, include_usage=False)
     assert received == CRLF.replace(usage(b"\r\n\r\n"), b"")
     assert json.loads(scripted.requests[-1])["stream_options"] == {"include_usage": True}
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
 
 
 @pytest.mark.parametrize("cut", [b'"the ans', b"data: [DO", b"}\n"])
@@ -325,7 +325,7 @@ def test_keep_alive_connections_are_reused_and_a_stale_one_is_retried(scripted, 
         scripted.plans.append(plan_of(LF, [LF]))
         assert stream(server.url) == LF
         assert count(server.url, "mla_serve_completions_total", model=MODEL,
-                     finish_reason="stop") == 3  # fmt: skip
+                     finished_reason="stop") == 3  # fmt: skip
     finally:
         server.stop()
 
@@ -379,7 +379,7 @@ def test_pipelined_requests_are_answered_in_order(sidecar, scripted):
         replies = _responses(sock, 3)
     assert [head.split(b" ", 2)[1] for head, _ in replies] == [b"200"] * 3
     assert [body for _, body in replies] == [LF] * 3
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 3
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 3
 
 
 def test_an_answer_in_the_read_of_the_next_request_keeps_the_connection(sidecar, scripted):
@@ -429,7 +429,7 @@ def test_a_slow_reader_gets_every_byte_and_holds_vllm_back(sidecar, scripted):
     head, _, chunked = bytes(wire).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and dechunk(chunked) == body
     assert scripted.written[-1] > reading
-    assert count(url, "mla_serve_completions_total", model=MODEL, finish_reason="stop") == 1
+    assert count(url, "mla_serve_completions_total", model=MODEL, finished_reason="stop") == 1
 
 
 def test_a_chunked_request_body_over_the_limit_is_refused(sidecar, scripted):

@@ -151,12 +151,12 @@ def dashboard() -> dict[str, Any]:
     )
     lay.add(
         timeseries(
-            "Completions by finish_reason (sidecar)",
+            "Completions by finished_reason (sidecar)",
             "Every response the pass-through relayed.",
             [
                 target(
-                    f"sum by (finish_reason) (rate(mla_serve_completions_total{{{SEL}}}[{RATE}]))",
-                    "{{finish_reason}}",
+                    f"sum by (finished_reason) (rate(mla_serve_completions_total{{{SEL}}}[{RATE}]))",
+                    "{{finished_reason}}",
                 )
             ],
             "reqps",

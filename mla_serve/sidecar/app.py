@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from mla_serve import __version__
 from mla_serve.engine import ranks, vllm_log
@@ -48,6 +53,11 @@ class Sidecar:
 
     @classmethod
     def create(cls, settings: Settings) -> Sidecar:
+        # No `_created` series beside the counters and histograms (one more series for each,
+        # which Prometheus would store and no rule reads); prometheus_client's switch is per
+        # process, so it holds for every registry and collector the sidecar exports (the
+        # ledgers, the pass-through's and the guard's counters alike).
+        disable_created_metrics()
         registry = CollectorRegistry()
         monitor = VllmMonitor(
             settings.probe_timeout,

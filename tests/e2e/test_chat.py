@@ -92,7 +92,7 @@ def test_runaways_are_counted_and_truncated_answers_are_not(
     url, model = live["admin_url"], live["model"]
     runaways = count(url, "mla_serve_runaway_completions_total", model=model)
     tokens = count(url, "mla_serve_runaway_tokens_total", model=model)
-    truncated = count(url, "mla_serve_completions_total", model=model, finish_reason="length")
+    truncated = count(url, "mla_serve_completions_total", model=model, finished_reason="length")
 
     plain = ask(client, live, tiny, never, thinking=True)
     assert not (plain.choices[0].message.content or "").strip()
@@ -109,7 +109,7 @@ def test_runaways_are_counted_and_truncated_answers_are_not(
         count(url, "mla_serve_runaway_tokens_total", model=model) == tokens + expected * MAX_TOKENS
     )
     assert (
-        count(url, "mla_serve_completions_total", model=model, finish_reason="length")
+        count(url, "mla_serve_completions_total", model=model, finished_reason="length")
         == truncated + 3
     )
 
@@ -155,7 +155,7 @@ def test_sidecar_and_vllm_count_the_same_finished_requests(live: dict[str, Any])
     """Every request of this run went through the pass-through: both ledgers agree."""
     model = live["model"]
     ours = {
-        labels["finish_reason"]: value
+        labels["finished_reason"]: value
         for labels, value in samples(live["admin_url"])["mla_serve_completions_total"]
         if labels["model"] == model
     }

@@ -148,7 +148,7 @@ class Ledger:
         self.completions = Counter(
             f"{prefix}completions",
             "Finished completion choices seen by the pass-through, by finish reason.",
-            ["model", "finish_reason"],
+            ["model", "finished_reason"],  # vLLM's own label name (vllm:request_success_total)
             registry=registry,
         )
         self.runaways = Counter(
