@@ -290,6 +290,25 @@ def dashboard() -> dict[str, Any]:
         w=24,
     )
 
+    lay.row("Requests vLLM failed")
+    lay.add(
+        timeseries(
+            "Errors the sidecar returned because vLLM failed",
+            "Requests answered 503 (unreachable), 504 (timeout: no response head in time) or 502 "
+            "(broken before the head) by the pass-through, per reason. Alert "
+            "MlaServeUpstreamFailures.",
+            [
+                target(
+                    f"sum by (reason) (increase(mla_serve_upstream_failures_total{{{SEL}}}"
+                    f"[{RATE}]))",
+                    "{{reason}}",
+                )
+            ],
+            "short",
+        ),
+        w=24,
+    )
+
     lay.row("Engine and fixes")
     lay.add(
         stat(
