@@ -147,7 +147,7 @@ def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):
     assert figures["sparse_mla_workspace_bytes_predicted"]["source"] == "sizing model"
     page = httpx.get(f"{url}/status", headers={"accept": "text/html"})
     assert page.headers["content-type"].startswith("text/html")
-    assert "FULL_AND_PIECEWISE" in page.text and "Engine rank 1" in page.text
+    assert "FULL_AND_PIECEWISE" in page.text and "rank 1" in page.text
 
 
 WORKER_0 = "(Worker_TP0 pid=311) "

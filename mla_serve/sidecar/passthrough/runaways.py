@@ -205,3 +205,29 @@ class Ledger:
 
     def recent_json(self) -> list[dict[str, Any]]:
         return [asdict(runaway) for runaway in self.recent]
+
+    def by_model_json(self) -> list[dict[str, Any]]:
+        """Per model so far: finished choices, runaways and the tokens they burnt."""
+        completions = totals(self.completions)
+        runaways = totals(self.runaways)
+        tokens = totals(self.runaway_tokens)
+        models = sorted({labels[0] for labels in completions})
+        return [
+            {
+                "model": model,
+                "completions": sum(v for k, v in completions.items() if k[0] == model),
+                "runaways": runaways.get((model,), 0.0),
+                "runaway_tokens": tokens.get((model,), 0.0),
+            }
+            for model in models
+        ]
+
+
+def totals(counter: Counter) -> dict[tuple[str, ...], float]:
+    """A labelled counter's values now, by its label values (in the counter's label order)."""
+    found: dict[tuple[str, ...], float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                found[tuple(sample.labels.values())] = sample.value
+    return found
