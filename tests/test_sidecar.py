@@ -256,3 +256,19 @@ def test_models_and_version_are_asked_when_they_can_have_changed_not_on_every_ch
     asyncio.run(checks(wanting, 4))
     assert polled == {"/health": 4, "/v1/models": 1, "/version": 1}
     assert wanting.snapshot.models == ("not-loaded-yet",)
+
+
+def test_sidecar_help_states_each_default_once():
+    """`mla-serve sidecar --help`: one default per flag, never "(default: any) (default unset)"."""
+    import argparse
+    import re
+
+    from mla_serve.sidecar import settings as settings_
+
+    parser = argparse.ArgumentParser()
+    settings_.add_arguments(parser)
+    for action in parser._actions[1:]:
+        text = action.help or ""
+        said = len(re.findall(r"\((?:default\b|off\))", text))
+        assert said == 1, f"{action.option_strings[0]}: {text}"
+        assert text.endswith(f"env {settings_.env_of(action.dest)}")

@@ -1,8 +1,8 @@
 """Each profile's memory settings, checked with `mla-serve plan` on the model's config.
 
 The plan's inputs come from the profile itself (parallelism, gpu.memoryGiB, vllm.*); only the
-model config (tests/fixtures/models/<name>/config.json) and the checkpoint's format are mapped
-here.
+model config (one mla-serve ships, `mla-serve plan --model NAME`: mla_serve/sizing/models) and
+the checkpoint's format are mapped here.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from mla_serve import cli
+from mla_serve.sizing.commands import model_config
 from tests.helm.helm_support import PROFILES, REPO, case_values, chart, run
 
-FIXTURES = REPO / "tests" / "fixtures" / "models"
 GiB = 1 << 30
 
-# model.name -> (fixture directory, extra plan flags for the checkpoint's format)
+# model.name -> (the shipped config `plan --model` takes, extra flags for the checkpoint's format)
 MODELS: dict[str, tuple[str, list[str]]] = {
     "zai-org/GLM-5.3-Flash": ("GLM-5.3-Flash", []),
     # The NVFP4 checkpoint of seed 002's evaluation: routed experts in NVFP4.
@@ -59,7 +59,7 @@ def plan_args(values: dict[str, Any], **overrides: Any) -> list[str]:
         "attention-backend": v.get("attentionBackend") or None,
     }
     settings.update({k.replace("_", "-"): value for k, value in overrides.items()})
-    args = ["plan", "--config", str(FIXTURES / fixture / "config.json"), "--format", "json"]
+    args = ["plan", "--model", fixture, "--format", "json"]
     for flag, value in settings.items():
         if value is not None:
             args += [f"--{flag}", str(value)]
@@ -77,7 +77,7 @@ def plan(values: dict[str, Any], **overrides: Any) -> dict[str, Any]:
 
 def model_max_len(values: dict[str, Any]) -> int:
     fixture, _ = MODELS[values["model"]["name"]]
-    config = json.loads((FIXTURES / fixture / "config.json").read_text())
+    config = json.loads(model_config(fixture).read_text())
     config = config.get("text_config", config)
     return int(config["max_position_embeddings"])
 
@@ -86,9 +86,14 @@ def profile_values(profile: str) -> dict[str, Any]:
     return chart().merge_values(case_values(f"profile-{profile}"))
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+def profile_or_default(profile: str) -> dict[str, Any]:
+    return chart().merge_values({}) if profile == "defaults" else profile_values(profile)
+
+
+@pytest.mark.parametrize("profile", ["defaults", *PROFILES])
 def test_profile_fits_in_memory(profile: str) -> None:
-    values = profile_values(profile)
+    """Each profile, and the defaults without one, on the GPU its values name."""
+    values = profile_or_default(profile)
     assert values["gpu"]["memoryGiB"] > 0, f"{profile}: gpu.memoryGiB unset"
     report = plan(values)
     rank = report["per_rank"]
@@ -152,21 +157,20 @@ def readme_plans() -> dict[str, list[str]]:
     profile = None
     for line in block.splitlines():
         if line.startswith("# "):
-            profile = line[2:].strip()
+            profile = line[2:].split()[0]  # "# NAME" or "# NAME (what it is)"
         elif line.startswith("mla-serve plan ") and profile:
             commands[profile] = shlex.split(line)[1:]
     return commands
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("profile", ["defaults", *PROFILES])
 def test_the_readme_gives_each_profiles_plan_flags(profile: str) -> None:
     """A user plans a profile with the README's command: it must say what the profile's
     values say (parsed by `mla-serve plan`'s own parser, so defaults may be left out),
     the checkpoint format flags included, which the profile cannot state."""
     documented = readme_plans().get(profile)
     assert documented, f"helm/mla-serve/README.md gives no `mla-serve plan` for {profile}"
-    derived = plan_args(profile_values(profile))
-    derived = [a.replace(f"{REPO}/", "") for a in derived]
+    derived = plan_args(profile_or_default(profile))
     at = derived.index("--format")
     del derived[at : at + 2]
     expected = " ".join(["mla-serve", *derived])
