@@ -38,6 +38,7 @@ from typing import IO, Any
 import httpx
 import openai
 import yaml
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests import trees
 from tests.helm.helm_support import NAMESPACE, RELEASE, documents, find, render
@@ -174,7 +175,7 @@ class Load:
         self.sent = {"answers": 0, "runaways": 0, "loops": 0}
 
     def _chat(self, text: str, max_tokens: int, stream: bool) -> None:
-        messages = [{"role": "user", "content": text}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": text}]
         if stream:
             for _ in self.client.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=max_tokens, stream=True

@@ -155,7 +155,8 @@ def dashboard() -> dict[str, Any]:
             "Every response the pass-through relayed.",
             [
                 target(
-                    f"sum by (finished_reason) (rate(mla_serve_completions_total{{{SEL}}}[{RATE}]))",
+                    "sum by (finished_reason) "
+                    f"(rate(mla_serve_completions_total{{{SEL}}}[{RATE}]))",
                     "{{finished_reason}}",
                 )
             ],

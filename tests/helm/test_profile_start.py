@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from mla_serve.patching import wheel
+from mla_serve.sizing.commands import model_config
 from tests import trees
 from tests.helm.helm_support import (
     HERE,
@@ -37,7 +38,6 @@ from tests.helm.helm_support import (
     render,
     run,
 )
-from mla_serve.sizing.commands import model_config
 from tests.helm.test_helm_profiles_plan import MODELS, plan
 from tests.helm.test_helm_vllm_args import ENV, RELEASE
 
