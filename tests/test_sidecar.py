@@ -136,7 +136,7 @@ def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):
     assert ({"rank": "0"}, 12.5) in series["mla_serve_cudagraph_capture_duration_seconds"]
     assert ({"rank": "0"}, float(3 << 30)) in series["mla_serve_cudagraph_capture_memory_bytes"]
     workspace = series["mla_serve_sparse_mla_workspace_bytes"]
-    # Seed 002: 64 heads per rank, DCP 4, 4096 batched tokens -> 2.39 GiB.
+    # vllm#50791's sizing: 64 heads per rank, DCP 4, 4096 batched tokens -> 2.39 GiB.
     assert ({"rank": "0", "kind": "actual"}, 2_561_671_168.0) in workspace
     assert ({"rank": "0", "kind": "predicted"}, 2_561_671_168.0) in workspace
     assert ({"rank": "1"}, float(394 << 20)) in series["mla_serve_attention_workspace_bytes"]

@@ -1,4 +1,4 @@
-"""The sizing model and `mla-serve plan`: seed 002's figures, budgets, CLI, bad input."""
+"""The sizing model and `mla-serve plan`: vllm#50791 / #55879's figures, budgets, CLI, bad input."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Seed 003 on vLLM 0.27.1's own CUDA graph capture path, one mode per process.
+"""vllm#52492 (the DeepSeek-V4 indexer shortcut) on vLLM 0.27.1's own CUDA graph capture path,
+one mode per process.
 
 `python dsv4_capture.py MODE` (MODE: FULL, PIECEWISE, NONE or the control FULL-SHORT)
 prints one JSON line: which candidates the DeepSeek-V4 indexer selects when a step with

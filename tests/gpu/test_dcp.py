@@ -1,4 +1,4 @@
-"""Seed 002 on the GPU: the empty-shard mask and the device rank tensor."""
+"""The DCP fixes (vllm#55879) on the GPU: the empty-shard mask and the device rank tensor."""
 
 from __future__ import annotations
 

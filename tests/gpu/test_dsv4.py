@@ -1,4 +1,4 @@
-"""Seeds 003 and 004 under real CUDA graphs.
+"""vllm#52492 and #51318 (issue #52448) under real CUDA graphs.
 
 003: the DeepSeek-V4 indexer's short-context decision is taken while a real
 graph captures (torch.cuda.is_current_stream_capturing() is true for real); the

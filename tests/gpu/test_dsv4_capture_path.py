@@ -1,4 +1,4 @@
-"""Seed 003 on vLLM 0.27.1's own capture path: FULL, PIECEWISE (breakable) and eager.
+"""vllm#52492 on vLLM 0.27.1's own capture path: FULL, PIECEWISE (breakable) and eager.
 
 Each mode runs in its own process (tests/gpu/dsv4_capture.py), because vLLM decides at
 import whether `@eager_break_during_capture` breaks the capture (VLLM_USE_BREAKABLE_CUDAGRAPH,

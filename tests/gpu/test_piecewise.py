@@ -1,4 +1,4 @@
-"""Seeds 000/001 under real CUDA graphs (vLLM 0.30.0+ carries the code and the fix)."""
+"""vllm#56825 under real CUDA graphs (vLLM 0.30.0+ carries the code and the fix)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _run_scenario(name: str) -> str:
 
 @pytest.mark.parametrize("scenario", ["piecewise-without-guard", "hisparse-without-guard"])
 def test_without_the_guard_the_eager_wait_crashes(expect, scenario):
-    """The seed's crash, reproduced on vLLM's own code with the guard switched off."""
+    """The crash vllm#56825 fixes, reproduced on vLLM's own code with the guard switched off."""
     expect.fixed("piecewise-topk-event")
     assert "invalid argument" in _run_scenario(scenario)
 

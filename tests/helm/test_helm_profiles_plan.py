@@ -25,13 +25,14 @@ GiB = 1 << 30
 # model.name -> (the shipped config `plan --model` takes, extra flags for the checkpoint's format)
 MODELS: dict[str, tuple[str, list[str]]] = {
     "zai-org/GLM-5.3-Flash": ("GLM-5.3-Flash", []),
-    # The NVFP4 checkpoint of seed 002's evaluation: routed experts in NVFP4.
+    # The NVFP4 checkpoint of vLLM's B200 evaluation (vllm#55879): routed experts in NVFP4.
     "nvidia/GLM-5.2-NVFP4": ("GLM-5.2", ["--expert-dtype", "nvfp4"]),
     "deepseek-ai/DeepSeek-V4-Flash": ("DeepSeek-V4-Flash", []),
 }
 
 # The FlashInfer sparse-MLA workspace is sized for the scheduler's token budget; no profile may
-# let it grow past what seed 002 found workable (2.39 GiB at DCP4, 4096 tokens).
+# let it grow past what vLLM's B200 evaluation found workable (vllm#55879: 2.39 GiB at DCP4,
+# 4096 tokens).
 WORKSPACE_CEILING = int(2.5 * GiB)
 
 
@@ -107,8 +108,8 @@ def test_profile_fits_in_memory(profile: str) -> None:
 
 
 def test_dcp_profile_keeps_the_workspace_at_2_39_gib() -> None:
-    """Seed 002: at DCP4 (64 heads/rank) the workspace is 2.39 GiB at 4096 batched tokens and
-    16.39 GiB at vLLM's 32768; the profile's 4096 is what keeps it small."""
+    """vllm#50791 / #55879: at DCP4 (64 heads/rank) the workspace is 2.39 GiB at 4096 batched
+    tokens and 16.39 GiB at vLLM's 32768; the profile's 4096 is what keeps it small."""
     values = profile_values("b200-tp1-pcp4-dcp4")
     assert values["vllm"]["maxNumBatchedTokens"] == 4096
     capped = plan(values)["details"]
@@ -124,7 +125,7 @@ def test_dcp_profile_keeps_the_workspace_at_2_39_gib() -> None:
 
 
 def test_tp2_pcp2_profile_leaves_room_for_cutlass_autotuning() -> None:
-    """Seed 002: CUTLASS MoE autotuning needs 12.22 GiB outside vLLM's pool, where only ~7.6 GiB
+    """vllm#55879: CUTLASS MoE autotuning needs 12.22 GiB outside vLLM's pool, where only ~7.6 GiB
     remained at vLLM's 0.92; lowering the utilization frees (0.92 - u) x GPU memory."""
     values = profile_values("b200-tp2-pcp2")
     utilization = values["vllm"]["gpuMemoryUtilization"]
@@ -182,10 +183,10 @@ def parsed(argv: list[str]) -> dict[str, Any]:
 
 
 def test_dcp_profile_utilization_fits_a_full_request_with_the_evals_overhead() -> None:
-    """Seed 002 measured a -3.23 GiB KV budget at 0.92 with FlashInfer's sparse MLA at 32768
-    batched tokens; what the plan does not count (activations, CUDA graph pool, NCCL) was then
-    the reserve below. With it, the profile's 0.96 still fits one 1,048,576-token request per
-    rank at DCP4, and 0.92 would not."""
+    """vLLM's B200 evaluation (vllm#55879) measured a -3.23 GiB KV budget at 0.92 with
+    FlashInfer's sparse MLA at 32768 batched tokens; what the plan does not count (activations,
+    CUDA graph pool, NCCL) was then the reserve below. With it, the profile's 0.96 still fits
+    one 1,048,576-token request per rank at DCP4, and 0.92 would not."""
     values = profile_values("b200-tp1-pcp4-dcp4")
     measured = plan(
         values,

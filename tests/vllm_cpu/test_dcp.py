@@ -1,4 +1,5 @@
-"""Seed 002 on vLLM's own code: empty DCP shards, workspace size, rank tensor, PCP+DCP."""
+"""The DCP/PCP fixes (vllm#55879, workspace sizing from #50791) on vLLM's own code: empty DCP
+shards, workspace size, rank tensor, PCP+DCP."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seeds 003 and 004 on vLLM's own DeepSeek-V4 code."""
+"""The DeepSeek-V4 runaway fixes (vllm#52492, #51318; issue #52448) on vLLM's own code."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seeds 000/001 on vLLM's own index group: which sync the topk conversion uses.
+"""vllm#56825 on vLLM's own index group: which sync the topk conversion uses.
 
 On the CPU the CUDA stream and events are stand-ins that record the calls made
 on them; the real failure (an eager wait on a graph-local event raising

@@ -1,6 +1,6 @@
 """Classify finished completions and count length-cap runaways.
 
-A runaway (the DeepSeek-V4 symptom of seeds 003/004, vLLM issue 52448) is a
+A runaway (the DeepSeek-V4 symptom of vllm#52448, fixed by #52492 and #51318) is a
 choice that stopped at the length cap with nothing visible to show for it:
 `finish_reason == "length"`, content empty or whitespace, no tool calls.
 Reasoning may be long: that is where the tokens went. vLLM's own
