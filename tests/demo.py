@@ -17,6 +17,10 @@ What runs, each a program of its own on 127.0.0.1 (logs in build/demo/):
   runaways (reasoning until `max_tokens`, no answer) and reasoning loops (the same paragraph
   over and over), streamed and not.
 
+The stand-in stays in tests/ rather than in the package: it is a test double, and an installed
+mla-serve should hold nothing that answers like vLLM without being vLLM; the demo runs from the
+checkout, where the chart and the patched tree it needs are too.
+
 It prints the URLs, follows the alerts until one fires, keeps a light load going, and stops
 everything on Ctrl-C. `--until-firing` ends it once an alert fires (the test of it,
 tests/test_demo.py, runs it so).
