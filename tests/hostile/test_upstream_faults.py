@@ -27,13 +27,13 @@ def test_unparseable_events_are_relayed_unchanged(sidecar, fake, attack):
     """Item 8: events that are not the expected JSON pass unchanged and are counted."""
     check = attack("garbage SSE events (choices [1], index 'zero', non-JSON)", "8")
     unparsed = sidecar.metric("mla_serve_unparsed_events_total")
-    stops = sidecar.metric("mla_serve_completions_total", model=MODEL, finish_reason="stop")
+    stops = sidecar.metric("mla_serve_completions_total", model=MODEL, finished_reason="stop")
     received = _stream(sidecar.url, "[garbage] hi")
     check.check(received == fake.sent["[garbage]"], "bytes differ from what vLLM sent")
     new_unparsed = sidecar.metric("mla_serve_unparsed_events_total") - unparsed
     check.figures["unparsed_counted"] = new_unparsed
     check.check(new_unparsed == 4, f"{new_unparsed} unparsed events counted, 4 sent")
-    stop_now = sidecar.metric("mla_serve_completions_total", model=MODEL, finish_reason="stop")
+    stop_now = sidecar.metric("mla_serve_completions_total", model=MODEL, finished_reason="stop")
     check.check(stop_now - stops == 1, "the answer itself was not counted")
     check.done()
 
