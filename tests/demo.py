@@ -102,8 +102,15 @@ class Demo:
         log_path = self.workdir / f"{name}.log"
         log = log_path.open("wb")
         self._logs.append(log)
+        # A session of its own: Ctrl-C in the terminal reaches the demo alone, which then
+        # stops every program in order (they would otherwise die under it at once).
         process = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            start_new_session=True,
         )
         program = Program(name, process, log_path)
         self.programs.append(program)
@@ -223,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except DemoError as error:
         print(f"demo: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except (httpx.HTTPError, openai.OpenAIError) as error:
+        gone = [f"{p.name} exited ({p.log})" for p in demo.programs if not p.alive()]
+        why = "; ".join(gone) or f"{type(error).__name__}: {error}"
+        print(f"demo: error: {why}", file=sys.stderr, flush=True)
         return 1
     finally:
         demo.stop()

@@ -1,5 +1,6 @@
 """`make demo` as a user runs it, bounded: `python -m tests.demo` until an alert fires, then
-Ctrl-C (SIGINT), and every program it started is gone.
+Ctrl-C (SIGINT to its process group, as a terminal sends it), and every program it started is
+gone.
 
 Real programs on 127.0.0.1: vLLM's CPU stand-in, `mla-serve sidecar` with a patched vLLM 0.33.0
 tree and its manifest, Debian's Prometheus with the chart's rendered rules, the `openai` client.
@@ -35,6 +36,7 @@ def test_make_demo_fires_an_alert_and_stops_on_ctrl_c():
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
     )
     lines: list[str] = []
     fired = threading.Event()
@@ -59,7 +61,7 @@ def test_make_demo_fires_an_alert_and_stops_on_ctrl_c():
         firing = {a["labels"]["alertname"] for a in alerts.json()["data"]["alerts"]
                   if a["state"] == "firing"}  # fmt: skip
         assert "MlaServeLengthCapRunaways" in firing or "MlaServeReasoningLoops" in firing
-        demo.send_signal(signal.SIGINT)
+        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
         assert demo.wait(timeout=60) == 130
     finally:
         if demo.poll() is None:
