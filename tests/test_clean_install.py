@@ -11,6 +11,7 @@ added (as in vLLM's image), on uvloop.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,3 +101,24 @@ def test_with_uvloop_the_front_runs_on_it(venv: Path, tmp_path: Path) -> None:
     log = _serve(venv, tmp_path / "sidecar.log")
     front = "HTTP front: httptools on uvloop; the pass-through served without ASGI"
     assert f"{front}, token chunks read in C" in log, log
+
+
+def test_each_profiles_plan_runs_from_the_installed_package(venv: Path, tmp_path: Path) -> None:
+    """The chart README's `mla-serve plan` command for each profile (and the defaults), run by
+    the installed `mla-serve` in a folder outside the checkout: the model configs come with
+    the package (`--model NAME`), no file of this repository is read."""
+    from tests.helm.test_helm_profiles_plan import readme_plans
+
+    commands = readme_plans()
+    assert {"defaults", "gb300-tp4", "dsv4-flash"} <= set(commands)
+    environment = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("MLA_SERVE_", "PYTHON"))}  # fmt: skip
+    for profile, argv in commands.items():
+        assert "--config" not in argv, f"{profile}: plans a file of the checkout"
+        result = subprocess.run(
+            [str(venv / "bin" / "mla-serve"), *argv, "--format", "json"],
+            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{profile}: {result.stderr}"
+        assert json.loads(result.stdout)["per_rank"]["kv_budget_bytes"] > 0, profile

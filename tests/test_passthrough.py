@@ -269,3 +269,21 @@ def test_canary_runaways_are_counted_apart(vllm, sidecar, tmp_path: Path):
     canary = httpx.get(f"{url}/status").json()["canary"]
     assert canary["enabled"] and canary["last_round"]["requests"] == 4
     assert vllm.behaviour.requests[0]["max_tokens"] == 16
+
+
+def test_metrics_have_no_created_series_and_vllms_label_name(sidecar):
+    """Counters and histograms export their samples only (no `_created` twin per series), and
+    the finish label is named as vLLM's own (`vllm:request_success_total{finished_reason}`)."""
+    url = sidecar()
+    client(url).chat.completions.create(**ask("hello", max_tokens=32))
+    client(url).chat.completions.create(**ask("[runaway] go", max_tokens=8))
+    for _ in client(url).chat.completions.create(
+        **ask("[loop:phrase] go", max_tokens=600), stream=True
+    ):
+        pass  # a loop the guard confirms while it streams: the detection histogram
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert any(line.startswith("mla_serve_runaway_completions_total{") for line in series)
+    assert any(line.startswith("mla_serve_loop_detection_tokens_bucket{") for line in series)
+    assert [line for line in series if "_created" in line.split("{")[0]] == []
+    assert 'finished_reason="length"' in text and "finish_reason=" not in text

@@ -9,15 +9,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-AREAS = ("e2e", "gpu", "bench", "hostile")
+AREAS = ("e2e", "gpu", "bench", "hostile", "status")
 # How a README names the command of its result.
 COMMAND = re.compile(r"`(?:make |bash tests/|python3? -m |\.venv/bin/python -m |HOSTILE_)[^`]*`")
 # A folder named after when it ran, or after an earlier or later attempt.
 DIARY = re.compile(
     r"\d{4}-\d{2}-\d{2}|supersed(?:ed)?|(?:^|[-_])(?:rerun|first|old|new|before|after|call\d*)$"
 )
-# Files over this size are xz-compressed, but the JSON records the tools read.
+# Files over this size are xz-compressed, but the JSON records the tools read and screenshots
+# (PNG is compressed already; a viewer opens it as it is).
 LARGE = 16 * 1024
+COMPRESSED_ALREADY = (".xz", ".json", ".md", ".png")
 # A results path in backticks (where results are now, or where they were), or a relative link.
 CITED = re.compile(r"`((?:tests/[a-z]+/)?results/[^`\s]*)`|\]\(([^)#\s]+)")
 PENDING: set[tuple[str, str]] = set()  # (file, citation) allowed to miss (none: keep it so)
@@ -53,7 +55,7 @@ def test_large_files_are_compressed() -> None:
     large = [
         str(p.relative_to(ROOT))
         for p in RESULTS.rglob("*")
-        if p.is_file() and p.stat().st_size > LARGE and p.suffix not in (".xz", ".json", ".md")
+        if p.is_file() and p.stat().st_size > LARGE and p.suffix not in COMPRESSED_ALREADY
     ]
     assert large == [], f"xz -9e them (any xz reader opens them): {large}"
 

@@ -136,7 +136,7 @@ def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):
     assert ({"rank": "0"}, 12.5) in series["mla_serve_cudagraph_capture_duration_seconds"]
     assert ({"rank": "0"}, float(3 << 30)) in series["mla_serve_cudagraph_capture_memory_bytes"]
     workspace = series["mla_serve_sparse_mla_workspace_bytes"]
-    # Seed 002: 64 heads per rank, DCP 4, 4096 batched tokens -> 2.39 GiB.
+    # vllm#50791's sizing: 64 heads per rank, DCP 4, 4096 batched tokens -> 2.39 GiB.
     assert ({"rank": "0", "kind": "actual"}, 2_561_671_168.0) in workspace
     assert ({"rank": "0", "kind": "predicted"}, 2_561_671_168.0) in workspace
     assert ({"rank": "1"}, float(394 << 20)) in series["mla_serve_attention_workspace_bytes"]
@@ -147,7 +147,7 @@ def test_engine_figures_from_the_plugin_with_their_sources(sidecar, tmp_path):
     assert figures["sparse_mla_workspace_bytes_predicted"]["source"] == "sizing model"
     page = httpx.get(f"{url}/status", headers={"accept": "text/html"})
     assert page.headers["content-type"].startswith("text/html")
-    assert "FULL_AND_PIECEWISE" in page.text and "Engine rank 1" in page.text
+    assert "FULL_AND_PIECEWISE" in page.text and "rank 1" in page.text
 
 
 WORKER_0 = "(Worker_TP0 pid=311) "
@@ -256,3 +256,19 @@ def test_models_and_version_are_asked_when_they_can_have_changed_not_on_every_ch
     asyncio.run(checks(wanting, 4))
     assert polled == {"/health": 4, "/v1/models": 1, "/version": 1}
     assert wanting.snapshot.models == ("not-loaded-yet",)
+
+
+def test_sidecar_help_states_each_default_once():
+    """`mla-serve sidecar --help`: one default per flag, never "(default: any) (default unset)"."""
+    import argparse
+    import re
+
+    from mla_serve.sidecar import settings as settings_
+
+    parser = argparse.ArgumentParser()
+    settings_.add_arguments(parser)
+    for action in parser._actions[1:]:
+        text = action.help or ""
+        said = len(re.findall(r"\((?:default\b|off\))", text))
+        assert said == 1, f"{action.option_strings[0]}: {text}"
+        assert text.endswith(f"env {settings_.env_of(action.dest)}")

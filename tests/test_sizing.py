@@ -1,4 +1,4 @@
-"""The sizing model and `mla-serve plan`: seed 002's figures, budgets, CLI, bad input."""
+"""The sizing model and `mla-serve plan`: vllm#50791 / #55879's figures, budgets, CLI, bad input."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 from mla_serve import sizing
 from mla_serve.cli import main
 from mla_serve.sizing import backend, quant, shape, weights
+from mla_serve.sizing.commands import MODELS_DIR
 from tests import cli_run
 
-MODELS = Path(__file__).parent / "fixtures" / "models"
+MODELS = MODELS_DIR  # the model configs mla-serve ships (mla_serve/sizing/models)
 GLM52 = MODELS / "GLM-5.2" / "config.json"
 DSV32 = MODELS / "DeepSeek-V3.2" / "config.json"
 GLM53_FLASH = MODELS / "GLM-5.3-Flash" / "config.json"
@@ -644,3 +645,21 @@ def test_dsv4_plan_on_the_profile_layout(capsys):
         capsys, "--config", str(DSV4_FLASH), "--gpu-memory-gib", str(B200), "--tp", "2"
     )
     assert code == 0 and "KV tokens" in out and "per sequence" in out
+
+
+def test_every_format_flag_has_help():
+    """`--format` says what each choice gives, in every command that has it."""
+    from mla_serve import cli
+
+    def walk(parser):
+        for action in parser._actions:
+            if "--format" in action.option_strings:
+                yield parser.prog, action
+            for sub in getattr(action, "choices", None) or {}:
+                if isinstance(action.choices, dict):
+                    yield from walk(action.choices[sub])
+
+    found = list(walk(cli.parser()))
+    assert {prog for prog, _ in found} >= {"mla-serve plan", "mla-serve patches list"}
+    for prog, action in found:
+        assert action.help and "json" in action.help.lower(), prog

@@ -13,12 +13,18 @@ tests/loop_corpus.py, in its channel, 4 characters a token, cut at max_tokens), 
 normal answer. `/metrics` counts the tokens it generated as vLLM's
 `vllm:generation_tokens_total` does. A real vLLM needs a GPU; this
 runs anywhere and can fail on purpose.
+
+As a program (`make demo` runs it so), it serves until stopped and says what it is:
+
+    python -m tests.vllm_standin --port 8000 --model glm-5.3-flash
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections import Counter
@@ -26,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
@@ -113,6 +120,8 @@ vllm:generation_tokens_total{{model_name="{model}",engine="0"}} {generated:.1f}
 
 class StandIn:
     def __init__(self, behaviour: Behaviour | None = None) -> None:
+        """Served from a thread of the test's process on a free port (`start`, `stop`); `main`
+        serves its `app()` as a program instead."""
         self.behaviour = behaviour or Behaviour()
         self._server = ServerThread(self.app(), lifespan="off")
         self.url = self._server.url
@@ -402,3 +411,46 @@ class Script:
             "ec_transfer_params": None,
             "metrics": None,
         }
+
+
+BANNER = (
+    "vllm_standin: a CPU stand-in for vLLM {version}'s OpenAI server, not vLLM (no model, no "
+    "GPU: scripted answers in vLLM's exact formats) on http://{host}:{port}, serving {models}"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.vllm_standin",
+        description=f"A stand-in for vLLM {VERSION}'s OpenAI server on a CPU: vLLM's routes and "
+        "formats, scripted answers. The last user message chooses the outcome: '[runaway]' "
+        "(reasoning until max_tokens, no answer), '[loop:NAME]' (a loop of tests/loop_corpus.py), "
+        "'[tools]', '[error]', else an ordinary answer.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    parser.add_argument(
+        "--model", action="append", help="served model name, repeatable (default glm-5.3-flash)"
+    )
+    parser.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.0,
+        help="seconds between streamed tokens (default 0)",
+    )
+    args = parser.parse_args(argv)
+    behaviour = Behaviour(token_delay=args.token_delay)
+    if args.model:
+        behaviour.models = list(args.model)
+    app = StandIn(behaviour).app()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+    models = ", ".join(behaviour.models)
+    print(BANNER.format(version=VERSION, host=args.host, port=args.port, models=models),
+          flush=True)  # fmt: skip
+    server.run()  # until SIGINT or SIGTERM (uvicorn's own handlers)
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

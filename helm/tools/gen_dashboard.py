@@ -151,12 +151,13 @@ def dashboard() -> dict[str, Any]:
     )
     lay.add(
         timeseries(
-            "Completions by finish_reason (sidecar)",
+            "Completions by finished_reason (sidecar)",
             "Every response the pass-through relayed.",
             [
                 target(
-                    f"sum by (finish_reason) (rate(mla_serve_completions_total{{{SEL}}}[{RATE}]))",
-                    "{{finish_reason}}",
+                    "sum by (finished_reason) "
+                    f"(rate(mla_serve_completions_total{{{SEL}}}[{RATE}]))",
+                    "{{finished_reason}}",
                 )
             ],
             "reqps",
@@ -284,6 +285,25 @@ def dashboard() -> dict[str, Any]:
                     "p95",
                     ref="B",
                 ),
+            ],
+            "short",
+        ),
+        w=24,
+    )
+
+    lay.row("Requests vLLM failed")
+    lay.add(
+        timeseries(
+            "Errors the sidecar returned because vLLM failed",
+            "Requests answered 503 (unreachable), 504 (timeout: no response head in time) or 502 "
+            "(broken before the head) by the pass-through, per reason. Alert "
+            "MlaServeUpstreamFailures.",
+            [
+                target(
+                    f"sum by (reason) (increase(mla_serve_upstream_failures_total{{{SEL}}}"
+                    f"[{RATE}]))",
+                    "{{reason}}",
+                )
             ],
             "short",
         ),

@@ -416,6 +416,50 @@ def splice(text: str, name: str, body: str, source: str) -> str:
     return text[: start + len(begin)] + "\n" + body + "\n" + text[stop:]
 
 
+# How a paragraph of prose (or a list item) may end: a sentence's end, or a colon before a block.
+ENDS = (".", ":", "!", "?", ".)", ".**", ".`")
+
+
+def cut_paragraphs(text: str) -> list[int]:
+    """The lines (1-based) where a paragraph or list item of `text` stops mid-sentence, outside
+    code blocks, tables, headings and the generated parts' markers."""
+    cut: list[int] = []
+    fenced = False
+    block: list[tuple[int, str]] = []
+
+    def close() -> None:
+        if block:
+            number, last = block[-1]
+            first = block[0][1]
+            if not first.startswith(("#", "|", "<!--")) and not last.rstrip().endswith(ENDS):
+                cut.append(number)
+        block.clear()
+
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            close()
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        if not line.strip() or line.startswith(("- ", "#", "|", "<!--")):
+            close()
+        if line.strip():
+            block.append((number, line))
+    close()
+    return cut
+
+
+def check_whole(text: str, source: str) -> str:
+    """`text` unless a paragraph of it stops mid-sentence (a README cut while it was edited)."""
+    cut = cut_paragraphs(text)
+    if cut:
+        raise GenerationError(f"{source}:{cut[0]}: the paragraph stops mid-sentence")
+    if not text.endswith("\n"):
+        raise GenerationError(f"{source}: does not end with a newline")
+    return text
+
+
 def build(chart: Path) -> dict[Path, str]:
     """values.schema.json and README.md of `chart`, from its values.yaml and profiles/."""
     values = chart / "values.yaml"
@@ -427,6 +471,7 @@ def build(chart: Path) -> dict[Path, str]:
     source = generated.shown(readme_path)
     readme = splice(readme, "values", values_table(root, keys, body), source)
     readme = splice(readme, "profiles", profiles_table(chart, yaml.safe_load(text)), source)
+    check_whole(readme, source)
     return {
         chart / "values.schema.json": json.dumps(body, indent=2, ensure_ascii=False) + "\n",
         readme_path: readme,

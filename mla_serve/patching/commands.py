@@ -29,7 +29,12 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     actions = patches.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     listing = actions.add_parser("list", help="every fix and its status in every release")
-    listing.add_argument("--format", choices=("text", "json"), default="text")
+    listing.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text: the table (default); json: every fix and release cell as one document",
+    )
     listing.add_argument("--verbose", action="store_true", help="symptoms and references too")
     listing.set_defaults(run=_list)
 
@@ -58,7 +63,12 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
                 help=f"manifest path (default: <target>/vllm/{manifest.FILENAME})",
             )
         if name == "status":
-            sub.add_argument("--format", choices=("text", "json"), default="text")
+            sub.add_argument(
+                "--format",
+                choices=("text", "json"),
+                default="text",
+                help="text: one line per fix (default); json: the statuses as one document",
+            )
         if name == "apply":
             sub.add_argument("--dry-run", action="store_true", help="check only, write nothing")
         sub.set_defaults(run=run)
@@ -120,7 +130,7 @@ def _wheel(args: argparse.Namespace) -> int:
     print(f"source: {source}")
     built = dist.build(source, args.out, catalog, progress=print)
     print(f"series vllm-{built.release}: digest {built.digest[:12]}")
-    _print_states(built.states)
+    _print_states(built.states, status=True)
     changed = ", ".join(built.changed) or "no file"
     print(f"changed {changed}; added {dist.MANIFEST_MEMBER}")
     print(f"RECORD matches all {built.checked} files; version {built.version}")
@@ -241,9 +251,13 @@ def _drift_refused(found: tree.VllmTree, path: Path) -> bool:
     return bool(drifts)
 
 
-def _print_states(states: list[engine.FixState]) -> None:
+def _print_states(states: list[engine.FixState], status: bool = False) -> None:
+    """One line per fix: what `apply` did to the tree (applied, already-applied, ...), or with
+    `status` the fix's status in the wheel, in the words of `patches list` (patched, upstream,
+    not-affected, affected)."""
     for state in states:
-        print(f"  {state.fix.id:32} {state.action:16} probe {state.probe.word}")
+        word = state.status.value if status else state.action
+        print(f"  {state.fix.id:32} {word:16} probe {state.probe.word}")
 
 
 def _recover(found: tree.VllmTree, path: Path, catalog: catalog_.Catalog) -> list[str] | None:

@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from mla_serve import __version__
 from mla_serve.engine import ranks, vllm_log
@@ -23,7 +28,7 @@ from mla_serve.sidecar.guard.loops import LoopGuard
 from mla_serve.sidecar.passthrough import fronts, lane
 from mla_serve.sidecar.passthrough.fronts import QuietAborts, Receive, Scope, Send
 from mla_serve.sidecar.passthrough.labels import Labels
-from mla_serve.sidecar.passthrough.runaways import Ledger
+from mla_serve.sidecar.passthrough.runaways import Ledger, totals
 from mla_serve.sidecar.passthrough.service import PassThrough
 from mla_serve.sidecar.settings import Settings
 
@@ -49,6 +54,11 @@ class Sidecar:
 
     @classmethod
     def create(cls, settings: Settings) -> Sidecar:
+        # No `_created` series beside the counters and histograms (one more series for each,
+        # which Prometheus would store and no rule reads); prometheus_client's switch is per
+        # process, so it holds for every registry and collector the sidecar exports (the
+        # ledgers, the pass-through's and the guard's counters alike).
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         registry = CollectorRegistry()
         monitor = VllmMonitor(
             settings.probe_timeout,
@@ -97,13 +107,44 @@ class Sidecar:
                 "lane": in_c,
                 "lane_reads": lane.taken() if in_c else 0,
             },
-            "runaways": {"recent": self.ledger.recent_json()},
+            "runaways": {
+                "recent": self.ledger.recent_json(),
+                "by_model": self.ledger.by_model_json(),
+            },
+            "guard": self.guard_json(),
             "canary": canary,
             "background_errors": dict(self.task_errors),
         }
         if self.log_file is not None:
             extra["vllm_log"] = {"path": str(self.log_file.path), "error": self.log_file.error}
         return extra
+
+    def guard_json(self) -> dict[str, object]:
+        """The runaway guard's policy and what it has seen per model (guard/loops.py)."""
+        policy = self.settings.loop_policy
+        guard: dict[str, object] = {
+            "action": policy.action,
+            "model_actions": dict(policy.model_actions),
+            "min_repeats": policy.config.min_repeats,
+            "window_chars": policy.config.window_chars,
+            "min_chars": policy.config.min_chars,
+            "repetition_detection": policy.repetition_detection,
+            "thinking_token_budget": policy.thinking_token_budget,
+        }
+        loops = self.passthrough.loops
+        if loops is not None:
+            found = totals(loops.metrics.loops)
+            stops, saved = totals(loops.metrics.stops), totals(loops.metrics.saved)
+            guard["by_model"] = [
+                {
+                    "model": model,
+                    "loops": {ch: v for (m, ch), v in found.items() if m == model},
+                    "stops": stops.get((model,), 0.0),
+                    "tokens_saved": saved.get((model,), 0.0),
+                }
+                for model in sorted({m for m, _ in found} | {m for (m,) in stops})
+            ]
+        return guard
 
     def readiness(self) -> health.Verdict:
         # The monitor checks every poll interval with a bounded probe; a snapshot much older

@@ -15,6 +15,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -244,8 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(Settings):
         cli_default = field.metadata["cli_default"]
         default = cli_default if cli_default is not None else field.default
-        shown = "unset" if default is None else default
-        text = f"{field.metadata['help']} (default {shown}); env {env_of(field.name)}"
+        text = field.metadata["help"]
+        # A help that says what its default means ("(default: any)", "(off)") says it once.
+        if not re.search(r"\((default\b|off\))", text):
+            text += f" (default {'unset' if default is None else default})"
+        text += f"; env {env_of(field.name)}"
         parser.add_argument(flag_of(field.name), type=_kind(field), default=None, help=text)
 
 

@@ -11,6 +11,19 @@ from mla_serve.sizing import backend, dsv4, planning, quant, report, shape
 
 ERRORS: tuple[type[Exception], ...] = (shape.SizingError,)
 
+# Model configs shipped with mla-serve (models/README.md says where each comes from), so a
+# profile's plan works from an installed package: `--model GLM-5.2`.
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def shipped_models() -> tuple[str, ...]:
+    return tuple(sorted(p.parent.name for p in MODELS_DIR.glob("*/config.json")))
+
+
+def model_config(name: str) -> Path:
+    """The shipped config.json of `name` (one of `shipped_models()`)."""
+    return MODELS_DIR / name / "config.json"
+
 
 def _positive(text: str) -> int:
     try:
@@ -42,12 +55,18 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
             "cache bytes per token and how many tokens fit."
         ),
     )
-    sub.add_argument(
+    source = sub.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--config",
         type=Path,
-        required=True,
         metavar="FILE",
         help="the model's Hugging Face config.json",
+    )
+    source.add_argument(
+        "--model",
+        choices=shipped_models(),
+        help="a model config shipped with mla-serve instead of --config: "
+        + ", ".join(shipped_models()),
     )
     sub.add_argument(
         "--gpu-memory-gib",
@@ -138,7 +157,13 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     sub.add_argument(
         "--mtp", action="store_true", help="count the MTP (next-n) layers: weights and KV cache"
     )
-    sub.add_argument("--format", choices=("text", "json"), default="text")
+    sub.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text for people (default), or one JSON document (per_rank, layout, warnings, "
+        "details)",
+    )
     sub.set_defaults(run=run)
 
 
@@ -171,7 +196,7 @@ def layout_from_args(args: argparse.Namespace) -> planning.Layout:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, name = shape.load(args.config)
+    config, name = shape.load(args.config if args.model is None else model_config(args.model))
     layout = layout_from_args(args)
     result: planning.Plan | dsv4.Plan
     if dsv4.is_dsv4(config):

@@ -155,7 +155,7 @@ def test_sidecar_and_vllm_count_the_same_finished_requests(live: dict[str, Any])
     """Every request of this run went through the pass-through: both ledgers agree."""
     model = live["model"]
     ours = {
-        labels["finish_reason"]: value
+        labels["finished_reason"]: value
         for labels, value in samples(live["admin_url"])["mla_serve_completions_total"]
         if labels["model"] == model
     }

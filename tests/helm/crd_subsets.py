@@ -1,10 +1,11 @@
-"""Strict schemas for the parts of custom resources the chart renders.
+"""Strict schemas for the parts of LeaderWorkerSet and ComputeDomain the chart renders.
 
-kubernetes-validate knows only built-in kinds. For the CRD kinds (LeaderWorkerSet, ComputeDomain,
-PodMonitor, ServiceMonitor, PrometheusRule) these schemas cover every field the chart writes,
-with unknown fields rejected, following each project's v1/v1beta1 API; the embedded core types
-(pod templates, label selectors) are checked by kubernetes-validate itself, and the rules by
-promtool.
+kubernetes-validate knows only built-in kinds, and no package on PyPI or npm ships the schemas of
+these two (kubernetes-sigs/lws and NVIDIA's k8s-dra-driver-gpu publish their CRDs only in their
+repositories and Helm charts), so these subsets, written from each project's v1 / v1beta1 API,
+cover every field the chart writes, with unknown fields rejected; the embedded core types (pod
+templates) are checked by kubernetes-validate itself. The prometheus-operator's kinds are
+checked against its own schema instead (tests/helm/crd_schemas.py).
 """
 
 from __future__ import annotations
@@ -102,90 +103,7 @@ COMPUTE_DOMAIN = resource(
     ),
 )
 
-# monitoring.coreos.com/v1 (prometheus-operator).
-RELABELING = strict(
-    {
-        "sourceLabels": {"type": "array", "items": LABEL_NAME},
-        "targetLabel": LABEL_NAME,
-        "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep"]},
-        "regex": STR,
-        "replacement": {"type": "string"},
-        "separator": {"type": "string"},
-    }
-)
-ENDPOINT = strict(
-    {
-        "port": STR,
-        "path": {"type": "string", "pattern": "^/"},
-        "interval": DURATION,
-        "relabelings": {"type": "array", "items": RELABELING},
-    },
-    required=["port"],
-)
-NAMESPACE_SELECTOR = strict(
-    {"matchNames": {"type": "array", "items": STR}, "any": {"type": "boolean"}}
-)
-POD_MONITOR = resource(
-    "monitoring.coreos.com/v1",
-    "PodMonitor",
-    strict(
-        {
-            "selector": ANY,  # a LabelSelector: kubernetes-validate checks it
-            "namespaceSelector": NAMESPACE_SELECTOR,
-            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": ENDPOINT},
-        },
-        required=["selector", "podMetricsEndpoints"],
-    ),
-)
-SERVICE_MONITOR = resource(
-    "monitoring.coreos.com/v1",
-    "ServiceMonitor",
-    strict(
-        {
-            "selector": ANY,
-            "namespaceSelector": NAMESPACE_SELECTOR,
-            "endpoints": {"type": "array", "minItems": 1, "items": ENDPOINT},
-        },
-        required=["selector", "endpoints"],
-    ),
-)
-RULE = strict(
-    {
-        "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9]*$"},
-        "record": STR,
-        "expr": STR,
-        "for": DURATION,
-        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-    },
-    required=["expr"],
-)
-PROMETHEUS_RULE = resource(
-    "monitoring.coreos.com/v1",
-    "PrometheusRule",
-    strict(
-        {
-            "groups": {
-                "type": "array",
-                "minItems": 1,
-                "items": strict(
-                    {
-                        "name": STR,
-                        "interval": DURATION,
-                        "rules": {"type": "array", "minItems": 1, "items": RULE},
-                    },
-                    required=["name", "rules"],
-                ),
-            }
-        },
-        required=["groups"],
-    ),
-)
-
 CRD_SCHEMAS: dict[str, Schema] = {
     "LeaderWorkerSet": LEADER_WORKER_SET,
     "ComputeDomain": COMPUTE_DOMAIN,
-    "PodMonitor": POD_MONITOR,
-    "ServiceMonitor": SERVICE_MONITOR,
-    "PrometheusRule": PROMETHEUS_RULE,
 }

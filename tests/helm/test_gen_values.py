@@ -145,6 +145,23 @@ def test_readme_needs_its_markers(chart: Path) -> None:
     assert "README.md: needs the lines" in err and "<!-- end: values -->" in err
 
 
+def test_a_readme_cut_mid_sentence_is_refused(chart: Path) -> None:
+    """The README is whole: a paragraph or list item that stops mid-sentence (as an edit that
+    lost the file's end once left it) is refused with its line, and nothing is written."""
+    readme = chart / "README.md"
+    whole = readme.read_text()
+    assert whole.rstrip().endswith(".")
+    cut = whole[: whole.rindex(" the `helm test` script")] + "\n"
+    readme.write_text(cut)
+    code, out, err = generate(chart)
+    assert code == 2 and out == ""
+    line = len(cut.splitlines())
+    assert err.strip() == (
+        f"gen_values.py: error: {readme}:{line}: the paragraph stops mid-sentence"
+    )
+    assert readme.read_text() == cut
+
+
 def test_required_lists_and_combinators(chart: Path) -> None:
     """`required: [..]` is the map's own list (the map itself stays optional); anyOf and
     friends constrain the inferred type rather than replace it."""

@@ -1,8 +1,8 @@
 """Each profile's memory settings, checked with `mla-serve plan` on the model's config.
 
 The plan's inputs come from the profile itself (parallelism, gpu.memoryGiB, vllm.*); only the
-model config (tests/fixtures/models/<name>/config.json) and the checkpoint's format are mapped
-here.
+model config (one mla-serve ships, `mla-serve plan --model NAME`: mla_serve/sizing/models) and
+the checkpoint's format are mapped here.
 """
 
 from __future__ import annotations
@@ -17,21 +17,22 @@ from typing import Any
 import pytest
 
 from mla_serve import cli
+from mla_serve.sizing.commands import model_config
 from tests.helm.helm_support import PROFILES, REPO, case_values, chart, run
 
-FIXTURES = REPO / "tests" / "fixtures" / "models"
 GiB = 1 << 30
 
-# model.name -> (fixture directory, extra plan flags for the checkpoint's format)
+# model.name -> (the shipped config `plan --model` takes, extra flags for the checkpoint's format)
 MODELS: dict[str, tuple[str, list[str]]] = {
     "zai-org/GLM-5.3-Flash": ("GLM-5.3-Flash", []),
-    # The NVFP4 checkpoint of seed 002's evaluation: routed experts in NVFP4.
+    # The NVFP4 checkpoint of vLLM's B200 evaluation (vllm#55879): routed experts in NVFP4.
     "nvidia/GLM-5.2-NVFP4": ("GLM-5.2", ["--expert-dtype", "nvfp4"]),
     "deepseek-ai/DeepSeek-V4-Flash": ("DeepSeek-V4-Flash", []),
 }
 
 # The FlashInfer sparse-MLA workspace is sized for the scheduler's token budget; no profile may
-# let it grow past what seed 002 found workable (2.39 GiB at DCP4, 4096 tokens).
+# let it grow past what vLLM's B200 evaluation found workable (vllm#55879: 2.39 GiB at DCP4,
+# 4096 tokens).
 WORKSPACE_CEILING = int(2.5 * GiB)
 
 
@@ -71,7 +72,7 @@ def plan_args(values: dict[str, Any], **overrides: Any) -> list[str]:
         "indexer-kv-dtype": extra_arg(v, "--attention-config.indexer_kv_dtype"),
     }
     settings.update({k.replace("_", "-"): value for k, value in overrides.items()})
-    args = ["plan", "--config", str(FIXTURES / fixture / "config.json"), "--format", "json"]
+    args = ["plan", "--model", fixture, "--format", "json"]
     for flag, value in settings.items():
         if value is not None:
             args += [f"--{flag}", str(value)]
@@ -89,7 +90,7 @@ def plan(values: dict[str, Any], **overrides: Any) -> dict[str, Any]:
 
 def model_max_len(values: dict[str, Any]) -> int:
     fixture, _ = MODELS[values["model"]["name"]]
-    config = json.loads((FIXTURES / fixture / "config.json").read_text())
+    config = json.loads(model_config(fixture).read_text())
     config = config.get("text_config", config)
     return int(config["max_position_embeddings"])
 
@@ -98,9 +99,14 @@ def profile_values(profile: str) -> dict[str, Any]:
     return chart().merge_values(case_values(f"profile-{profile}"))
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+def profile_or_default(profile: str) -> dict[str, Any]:
+    return chart().merge_values({}) if profile == "defaults" else profile_values(profile)
+
+
+@pytest.mark.parametrize("profile", ["defaults", *PROFILES])
 def test_profile_fits_in_memory(profile: str) -> None:
-    values = profile_values(profile)
+    """Each profile, and the defaults without one, on the GPU its values name."""
+    values = profile_or_default(profile)
     assert values["gpu"]["memoryGiB"] > 0, f"{profile}: gpu.memoryGiB unset"
     report = plan(values)
     rank = report["per_rank"]
@@ -114,8 +120,8 @@ def test_profile_fits_in_memory(profile: str) -> None:
 
 
 def test_dcp_profile_keeps_the_workspace_at_2_39_gib() -> None:
-    """Seed 002: at DCP4 (64 heads/rank) the workspace is 2.39 GiB at 4096 batched tokens and
-    16.39 GiB at vLLM's 32768; the profile's 4096 is what keeps it small."""
+    """vllm#50791 / #55879: at DCP4 (64 heads/rank) the workspace is 2.39 GiB at 4096 batched
+    tokens and 16.39 GiB at vLLM's 32768; the profile's 4096 is what keeps it small."""
     values = profile_values("b200-tp1-pcp4-dcp4")
     assert values["vllm"]["maxNumBatchedTokens"] == 4096
     capped = plan(values)["details"]
@@ -131,7 +137,7 @@ def test_dcp_profile_keeps_the_workspace_at_2_39_gib() -> None:
 
 
 def test_tp2_pcp2_profile_leaves_room_for_cutlass_autotuning() -> None:
-    """Seed 002: CUTLASS MoE autotuning needs 12.22 GiB outside vLLM's pool, where only ~7.6 GiB
+    """vllm#55879: CUTLASS MoE autotuning needs 12.22 GiB outside vLLM's pool, where only ~7.6 GiB
     remained at vLLM's 0.92; lowering the utilization frees (0.92 - u) x GPU memory."""
     values = profile_values("b200-tp2-pcp2")
     utilization = values["vllm"]["gpuMemoryUtilization"]
@@ -164,21 +170,20 @@ def readme_plans() -> dict[str, list[str]]:
     profile = None
     for line in block.splitlines():
         if line.startswith("# "):
-            profile = line[2:].strip()
+            profile = line[2:].split()[0]  # "# NAME" or "# NAME (what it is)"
         elif line.startswith("mla-serve plan ") and profile:
             commands[profile] = shlex.split(line)[1:]
     return commands
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("profile", ["defaults", *PROFILES])
 def test_the_readme_gives_each_profiles_plan_flags(profile: str) -> None:
     """A user plans a profile with the README's command: it must say what the profile's
     values say (parsed by `mla-serve plan`'s own parser, so defaults may be left out),
     the checkpoint format flags included, which the profile cannot state."""
     documented = readme_plans().get(profile)
     assert documented, f"helm/mla-serve/README.md gives no `mla-serve plan` for {profile}"
-    derived = plan_args(profile_values(profile))
-    derived = [a.replace(f"{REPO}/", "") for a in derived]
+    derived = plan_args(profile_or_default(profile))
     at = derived.index("--format")
     del derived[at : at + 2]
     expected = " ".join(["mla-serve", *derived])
@@ -190,10 +195,10 @@ def parsed(argv: list[str]) -> dict[str, Any]:
 
 
 def test_dcp_profile_utilization_fits_a_full_request_with_the_evals_overhead() -> None:
-    """Seed 002 measured a -3.23 GiB KV budget at 0.92 with FlashInfer's sparse MLA at 32768
-    batched tokens; what the plan does not count (activations, CUDA graph pool, NCCL) was then
-    the reserve below. With it, the profile's 0.96 still fits one 1,048,576-token request per
-    rank at DCP4, and 0.92 would not."""
+    """vLLM's B200 evaluation (vllm#55879) measured a -3.23 GiB KV budget at 0.92 with
+    FlashInfer's sparse MLA at 32768 batched tokens; what the plan does not count (activations,
+    CUDA graph pool, NCCL) was then the reserve below. With it, the profile's 0.96 still fits
+    one 1,048,576-token request per rank at DCP4, and 0.92 would not."""
     values = profile_values("b200-tp1-pcp4-dcp4")
     measured = plan(
         values,

@@ -10,6 +10,7 @@ After an intended chart change:
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import helm_python as helm
@@ -18,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.helm import crd_schemas
 from tests.helm.crd_subsets import CRD_SCHEMAS
 from tests.helm.helm_support import (
     ASPECTS,
@@ -129,16 +131,38 @@ def _kube_validate(doc: dict[str, Any], what: str) -> None:
             pytest.fail(f"{what} (Kubernetes {version}) at {path}: {error.message}")
 
 
+@pytest.fixture(scope="module")
+def operator_schemas() -> None:
+    """The prometheus-operator's schemas (tests/helm/crd_schemas.py), installed once."""
+    try:
+        crd_schemas.install()
+    except crd_schemas.SchemaUnavailable as error:
+        if os.environ.get("CI"):
+            pytest.fail(str(error))
+        pytest.skip(str(error))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_manifests_validate_strictly(case: str) -> None:
-    """kubernetes-validate --strict on built-in kinds; CRD kinds: their schema subset, and the
-    pod templates and label selectors inside them through kubernetes-validate again."""
-    for doc in case_documents(case):
+def test_manifests_validate_strictly(case: str, operator_schemas: None) -> None:
+    """kubernetes-validate --strict on built-in kinds; the prometheus-operator's kinds against
+    its own schema (no unknown field either); LeaderWorkerSet and ComputeDomain against their
+    strict subsets; the pod templates and label selectors inside CRDs through
+    kubernetes-validate again."""
+    docs = case_documents(case)
+    operator = [doc for doc in docs if doc["kind"] in crd_schemas.KINDS]
+    for doc, found in zip(operator, crd_schemas.validate(operator), strict=True):
+        what = f"{doc['kind']}/{doc['metadata']['name']}"
+        assert found == {"errors": [], "unknown": []}, f"{what}: {found}"
+    for doc in docs:
         kind, name = doc["kind"], doc["metadata"]["name"]
         what = f"{kind}/{name}"
         assert doc["metadata"].get("namespace") in (None, NAMESPACE)
         if kind in BUILTIN:
             _kube_validate(doc, what)
+            continue
+        if kind in crd_schemas.KINDS:
+            if kind in ("PodMonitor", "ServiceMonitor"):
+                _kube_validate(_wrap_selector(doc["spec"]["selector"]), f"{what} selector")
             continue
         assert kind in CRD_SCHEMAS, f"{what}: no validation for this kind"
         try:
@@ -149,8 +173,22 @@ def test_manifests_validate_strictly(case: str) -> None:
             lwt = doc["spec"]["leaderWorkerTemplate"]
             _kube_validate(_wrap_pod_template(lwt["leaderTemplate"]), f"{what} leaderTemplate")
             _kube_validate(_wrap_pod_template(lwt["workerTemplate"]), f"{what} workerTemplate")
-        if kind in ("PodMonitor", "ServiceMonitor"):
-            _kube_validate(_wrap_selector(doc["spec"]["selector"]), f"{what} selector")
+
+
+def test_the_operator_schema_catches_bad_and_unknown_fields(operator_schemas: None) -> None:
+    """The prometheus-operator's own schema refuses a wrong type and a bad duration, and a
+    misspelt field is reported as unknown, so the check above can fail."""
+    docs = case_documents("monitoring-dsv4-flash")
+    monitor = json.loads(json.dumps(find(docs, "PodMonitor")))
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    endpoint["intervl"] = endpoint.pop("interval")
+    rule = json.loads(json.dumps(find(docs, "PrometheusRule")))
+    rule["spec"]["groups"][0]["rules"][0]["for"] = 5
+    rule["spec"]["groups"][0]["interval"] = "every minute"
+    typo, wrong = crd_schemas.validate([monitor, rule])
+    assert typo == {"errors": [], "unknown": ["/spec/podMetricsEndpoints/0/intervl"]}
+    assert any("groups/0/rules/0/for must be string" in e for e in wrong["errors"]), wrong
+    assert any("groups/0/interval must match pattern" in e for e in wrong["errors"]), wrong
 
 
 def test_kubernetes_validate_strict_rejects_unknown_fields() -> None:

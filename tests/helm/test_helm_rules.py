@@ -134,7 +134,7 @@ def test_annotations_expand(promtool_bin: str, tmp_path: Path) -> None:
                 "input_series": [
                     {
                         "series": f'mla_serve_completions_total{{{sel},model="dsv4",'
-                        'finish_reason="length"}',
+                        'finished_reason="length"}',
                         "values": "0+100x40",
                     },
                     {

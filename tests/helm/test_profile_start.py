@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from mla_serve.patching import wheel
+from mla_serve.sizing.commands import model_config
 from tests import trees
 from tests.helm.helm_support import (
     HERE,
@@ -37,7 +38,7 @@ from tests.helm.helm_support import (
     render,
     run,
 )
-from tests.helm.test_helm_profiles_plan import FIXTURES, MODELS, plan
+from tests.helm.test_helm_profiles_plan import MODELS, plan
 from tests.helm.test_helm_vllm_args import ENV, RELEASE
 
 GiB = 1 << 30
@@ -117,7 +118,7 @@ def serve_argv(values: dict[str, Any]) -> list[str]:
 
 def model_dir(name: str, root: Path) -> Path:
     fixture, _ = MODELS[name]
-    config = json.loads((FIXTURES / fixture / "config.json").read_text())
+    config = json.loads(model_config(fixture).read_text())
     if name in QUANTIZATION:
         config["quantization_config"] = QUANTIZATION[name]
     path = root / fixture

@@ -1,10 +1,11 @@
 """The optional canary: a long-prefix prompt sent to vLLM now and then.
 
-The seeds' runaways show under a cached prefix over 2048 tokens with requests
-in flight together, so each round sends the same prompt `concurrency` times at
-once (the first request caches the prefix for the others). Its completions are
-classified like user traffic but counted apart (`mla_serve_canary_*`), so an
-alert can tell "the engine produces runaways" from "users asked for little".
+The DeepSeek-V4 runaways (vllm#52448, fixed by #52492 and #51318) show under a cached
+prefix over 2048 tokens with requests in flight together, so each round sends the
+same prompt `concurrency` times at once (the first request caches the prefix for
+the others). Its completions are classified like user traffic but counted apart
+(`mla_serve_canary_*`), so an alert can tell "the engine produces runaways" from
+"users asked for little".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Classify finished completions and count length-cap runaways.
 
-A runaway (the DeepSeek-V4 symptom of seeds 003/004, vLLM issue 52448) is a
+A runaway (the DeepSeek-V4 symptom of vllm#52448, fixed by #52492 and #51318) is a
 choice that stopped at the length cap with nothing visible to show for it:
 `finish_reason == "length"`, content empty or whitespace, no tool calls.
 Reasoning may be long: that is where the tokens went. vLLM's own
@@ -169,7 +169,7 @@ class Ledger:
         self.completions = Counter(
             f"{prefix}completions",
             "Finished completion choices seen by the pass-through, by finish reason.",
-            ["model", "finished_reason"],
+            ["model", "finished_reason"],  # vLLM's own label name (vllm:request_success_total)
             registry=registry,
         )
         self.runaways = Counter(
@@ -226,3 +226,29 @@ class Ledger:
 
     def recent_json(self) -> list[dict[str, Any]]:
         return [asdict(runaway) for runaway in self.recent]
+
+    def by_model_json(self) -> list[dict[str, Any]]:
+        """Per model so far: finished choices, runaways and the tokens they burnt."""
+        completions = totals(self.completions)
+        runaways = totals(self.runaways)
+        tokens = totals(self.runaway_tokens)
+        models = sorted({labels[0] for labels in completions})
+        return [
+            {
+                "model": model,
+                "completions": sum(v for k, v in completions.items() if k[0] == model),
+                "runaways": runaways.get((model,), 0.0),
+                "runaway_tokens": tokens.get((model,), 0.0),
+            }
+            for model in models
+        ]
+
+
+def totals(counter: Counter) -> dict[tuple[str, ...], float]:
+    """A labelled counter's values now, by its label values (in the counter's label order)."""
+    found: dict[tuple[str, ...], float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                found[tuple(sample.labels.values())] = sample.value
+    return found
