@@ -80,6 +80,22 @@ def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the other end closes the connection within `timeout` s: what it still sends
+    (an error response) is read and dropped until the end (or a reset) comes."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:  # reset: closed with our bytes unread
+            return True
+    return False
+
+
 def _read_reply(sock: socket.socket, started: float, timeout: float, closed: bool) -> Reply:
     """Read one response until it is complete, the connection ends, or `timeout` s after
     `started` (however slowly the bytes come)."""
