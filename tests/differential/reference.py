@@ -56,6 +56,7 @@ class Requests:
     refused: str | None = None  # h11's error on what followed the accepted ones
     status_hint: int | None = None
     incomplete: bool = False  # bytes of a request h11 still waits on
+    starts: list[int] = field(default_factory=lambda: [0])  # where each request begins
 
 
 def read_requests(data: bytes) -> Requests:
@@ -92,6 +93,7 @@ def read_requests(data: bytes) -> Requests:
             if not keep:
                 return out
             conn.start_next_cycle()
+            out.starts.append(len(data) - len(conn.trailing_data[0]))
         else:  # NEED_DATA (or PAUSED): nothing more to read
             out.incomplete = current is not None or bool(conn.trailing_data[0])
             return out

@@ -1,0 +1,89 @@
+"""The fuzz targets (targets.py) in `make test`: a bounded run of each over its kept corpus
+(every input of it first, then new ones for FUZZ_TEST_SECONDS, 3 by default), the fuzzing
+build of the C lane loaded the way `make fuzz` loads it, and each oracle seen to catch what
+it is there to catch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hatch_build
+from tests.fuzz import targets
+
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = ROOT / "tests" / "fuzz" / "corpus"
+SECONDS = float(os.environ.get("FUZZ_TEST_SECONDS", "3"))
+
+
+def _fuzz(target: str, tmp_path: Path, *flags: str, lane: Path | None = None):
+    env = {**os.environ, "FUZZ_TARGET": target}
+    if lane is not None:
+        env["FUZZ_LANE"] = str(lane)
+    new = tmp_path / "new"
+    new.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "tests.fuzz.run", "-timeout=30",
+               f"-artifact_prefix={tmp_path}/", *flags, str(new), str(CORPUS / target)]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=SECONDS + 300)  # fmt: skip
+
+
+@pytest.mark.parametrize("target", sorted(targets.TARGETS))
+def test_a_bounded_fuzz_run_finds_nothing(target, tmp_path):
+    kept = list((CORPUS / target).iterdir())
+    assert kept, f"no corpus for {target}"
+    done = _fuzz(target, tmp_path, f"-max_total_time={SECONDS:g}")
+    crashes = [path.name for path in tmp_path.glob("crash-*")]
+    assert done.returncode == 0 and not crashes, done.stderr[-4000:]
+    assert "INITED" in done.stderr and "DONE" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_fuzzing_build_of_the_lane_is_the_one_fuzzed(tmp_path):
+    """make fuzz's lane (GCC's comparison hooks, libFuzzer's underneath) loads and is run."""
+    lane = tmp_path / "_lane-cmp.abi3.so"
+    stubs = ROOT / "tests" / "fuzz" / "coverage_stubs.c"
+    hatch_build.compile_lane(ROOT, lane, ("-fsanitize-coverage=trace-cmp", str(stubs)))
+    done = _fuzz("frames", tmp_path, "-runs=3000", "-use_value_profile=1", lane=lane)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_frames_catches_sizes_httptools_does_not_give(monkeypatch):
+    monkeypatch.setattr(targets._lane, "frames", lambda data: [3])
+    with pytest.raises(targets.Diverged):
+        targets.frames(b"4\r\nabcd\r\n")
+    with pytest.raises(targets.Diverged):
+        targets.frames(b"3\r\nabc\r")  # the read ends inside a chunk's CRLF
+
+
+def test_protocol_catches_a_request_passed_on_that_h11_reads_otherwise(monkeypatch):
+    data = b"POST /v1/responses HTTP/1.1\r\nHost: s\r\nContent-Length: 3\r\n\r\nabc"
+    monkeypatch.setattr(targets, "_received", [(b"POST", b"/v1/responses", b"ab")])
+    with pytest.raises(targets.Diverged):
+        targets._check_protocol(data, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    monkeypatch.setattr(targets, "_received", [(b"POST", b"/v1/responses", b"abc")] * 2)
+    with pytest.raises(targets.Diverged):  # a second request where h11 read one
+        targets._check_protocol(data, b"")
+
+
+@pytest.mark.xfail(strict=True, reason="an HTTP/1.1 request without a Host is passed on: fixed "
+                   "in the pass-through rewrite (then targets.HOST_RULE_PENDING goes)")  # fmt: skip
+def test_protocol_holds_the_host_rule_too(monkeypatch):
+    monkeypatch.setattr(targets, "HOST_RULE_PENDING", False)
+    for kind in (0, 1):  # httptools, h11
+        targets.protocol(bytes([kind]) + b"GET /v1/models HTTP/1.1\r\n\r\n")
+
+
+@pytest.mark.xfail(strict=True, reason="a POST offering an Upgrade loses its body on httptools: "
+                   "fixed in the pass-through rewrite (then targets.UPGRADE_BODY_PENDING "
+                   "goes)")  # fmt: skip
+def test_protocol_relays_the_body_of_a_request_offering_an_upgrade(monkeypatch):
+    monkeypatch.setattr(targets, "UPGRADE_BODY_PENDING", False)
+    body = b'{"model": "m"}'
+    request = (b"POST /v1/responses HTTP/1.1\r\nHost: s\r\nConnection: Upgrade\r\n"
+               b"Upgrade: h2c\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    for kind in (0, 1):  # httptools, h11
+        targets.protocol(bytes([kind]) + request)
