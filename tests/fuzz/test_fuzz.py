@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 import hatch_build
+
+pytest.importorskip("atheris", reason="atheris has wheels for Linux on x86-64 only")
+
 from tests.fuzz import targets
 
 ROOT = Path(__file__).resolve().parents[2]
