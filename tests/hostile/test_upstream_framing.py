@@ -115,7 +115,7 @@ def test_head_is_answered_at_once_without_a_body(front, fake, attack, name):
             head = _read_head(sock, 0.6)
             took = time.monotonic() - started
             after = _more(sock, 0.2)
-            heads.append((head[:12].decode("latin-1"), round(took, 2), after))
+            heads.append((head[:12].decode("latin-1"), round(took, 2), repr(after)))
             lines = head.lower().split(b"\r\n")
             check.check(head.startswith(b"HTTP/1.1 405") and head.endswith(b"\r\n\r\n"),
                         f"HEAD: {head[:60]!r} after {took:.2f} s")  # fmt: skip
