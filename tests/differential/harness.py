@@ -48,6 +48,8 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"te", b"trailer", b"transfer-encodi
               b"upgrade", b"proxy-connection", b"expect"}  # fmt: skip
 COUNTED = ("mla_serve_completions_total", "mla_serve_truncated_responses_total",
            "mla_serve_unparsed_events_total")  # fmt: skip
+# the finish reason's label, by either of its names (vLLM's own metrics say `finished_reason`)
+LABELS = {"finished_reason": "finish_reason"}
 ERROR_TAIL = re.compile(rb"(\n\n)?data: (\{.*\})\n\n", re.S)
 NUMBERS = count()
 
@@ -73,7 +75,8 @@ class Target:
         for family in text_string_to_metric_families(lines + "\n"):
             for sample in family.samples:
                 if sample.name in COUNTED:
-                    counters[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+                    labels = {LABELS.get(k, k): v for k, v in sample.labels.items()}
+                    counters[(sample.name, tuple(sorted(labels.items())))] = sample.value
                 elif sample.name == "mla_serve_buffered_bytes":
                     buffered = sample.value
         return counters, buffered

@@ -237,15 +237,27 @@ async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
+def _protocol_factory() -> Callable[..., Any]:
+    """`protocol(kind, settings)`, which makes the sidecar's server protocol classes: in
+    uvicorn_adapter.py where there is one, else in serve.py."""
+    import importlib
+
+    for name in ("mla_serve.sidecar.uvicorn_adapter", "mla_serve.sidecar.serve"):
+        try:
+            return importlib.import_module(name).protocol  # type: ignore[no-any-return]
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("no protocol factory in mla_serve.sidecar")
+
+
 def _protocol(kind: str) -> tuple[Any, Any, asyncio.AbstractEventLoop]:
     if kind not in _protocols:
         import uvicorn
 
-        from mla_serve.sidecar import serve
         from mla_serve.sidecar.settings import Settings
 
         settings = Settings(vllm_url="http://127.0.0.1:9", header_timeout=30, body_timeout=30)
-        http = serve.protocol(kind, settings)
+        http = _protocol_factory()(kind, settings)
         limit = settings.max_header_bytes
         config = uvicorn.Config(_echo, http=http, lifespan="off", log_level="critical",
                                 h11_max_incomplete_event_size=limit)  # fmt: skip
