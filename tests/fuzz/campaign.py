@@ -29,7 +29,7 @@ CORPUS = ROOT / "tests" / "fuzz" / "corpus"
 BUILD = ROOT / "build" / "fuzz"
 TARGETS = ("frames", "lane", "head_refusal", "protocol")
 # Inputs up to: a few chunks (frames), a stream's reads (lane), a few requests (protocol).
-MAX_LEN = {"frames": 2048, "lane": 8192, "head_refusal": 512, "protocol": 2048}
+MAX_LEN = {"frames": 2048, "lane": 4096, "head_refusal": 512, "protocol": 2048}
 # Kept by the values the lane compared, not only by code covered: the lane's own test (in C,
 # whose branches libFuzzer does not see).
 BY_VALUES = {"frames"}
