@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 from collections.abc import Callable
 from typing import Any
@@ -116,6 +117,63 @@ def lane(data: bytes) -> None:
 
 
 # -- head_refusal -------------------------------------------------------------------------
+# Not in head_refusal yet (tests/hostile/test_request_semantics.py, xfail): 400 for
+# Transfer-Encoding in an HTTP/1.0 request and for a missing, second or invalid Host. False
+# once they are (test_fuzz.py's xfail then passes).
+HEAD_RULES_PENDING = True
+# RFC 3986's host (an IP literal, an IPv4 address or a reg-name) and an optional port
+_UNRESERVED = rb"A-Za-z0-9\-._~!$&'()*+,;="
+_HOST = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|\[v[0-9A-Fa-f]+\.[" + _UNRESERVED + rb":]+\]|"
+                   rb"(?:[" + _UNRESERVED + rb"]|%[0-9A-Fa-f]{2})+)(:[0-9]*)?")  # fmt: skip
+
+
+def _valid_host(value: bytes) -> bool:
+    match = _HOST.fullmatch(value.strip(b" \t"))
+    if match is None:
+        return False
+    literal = match.group(1)
+    if literal.startswith(b"[") and not literal.startswith(b"[v"):
+        try:
+            ipaddress.IPv6Address(literal[1:-1].decode())
+        except ValueError:
+            return False
+    return True
+
+
+def head_rules(
+    method: bytes,
+    target: bytes,
+    version: str,
+    fields: list[tuple[bytes, bytes]],
+    max_bytes: int,
+    max_fields: int,
+) -> dict[int, str]:
+    """Every refusal that applies to a head, read independently of http1.py: status -> why."""
+    if version not in ("1.0", "1.1"):
+        return {505: f"HTTP/{version}"}  # RFC 9110 section 15.6.6
+    out: dict[int, str] = {}
+    te = [value for name, value in fields if name.lower() == b"transfer-encoding"]
+    # RFC 9112 section 6.3: codings (empty list elements ignored, RFC 9110 section 5.6.1) that
+    # do not end in chunked leave the body's length unknown; the sidecar takes chunked alone
+    codings = [token.strip().lower() for value in te for token in value.split(b",")]
+    codings = [coding for coding in codings if coding]
+    if te and codings != [b"chunked"]:
+        out[501] = f"codings {codings}"
+    written = len(method) + 1 + len(target) + len(b" HTTP/1.1\r\n")
+    written += sum(len(name) + 2 + len(value) + 2 for name, value in fields) + 2
+    if written > max_bytes or len(fields) > max_fields:
+        out[431] = f"{written} bytes, {len(fields)} fields"
+    if not HEAD_RULES_PENDING:
+        hosts = [value for name, value in fields if name.lower() == b"host"]
+        if te and version == "1.0":
+            out[400] = "Transfer-Encoding in HTTP/1.0 (RFC 9112 section 6.1)"
+        elif len(hosts) > 1 or (not hosts and version == "1.1"):
+            out[400] = f"{len(hosts)} Host fields (RFC 9112 section 3.2)"
+        elif hosts and not _valid_host(hosts[0]) and hosts[0].strip(b" \t"):
+            out[400] = f"Host {hosts[0]!r} (RFC 9112 section 3.2)"
+    return out
+
+
 def head_refusal(data: bytes) -> None:
     import atheris
 
@@ -126,36 +184,38 @@ def head_refusal(data: bytes) -> None:
     fields: list[tuple[bytes, bytes]] = []
     for _ in range(given.ConsumeIntInRange(0, 12)):
         name = given.PickValueInList([b"transfer-encoding", b"Transfer-Encoding", b"host",
-                                      b"content-length", b"x-a", b"te", b"connection"])  # fmt: skip
+                                      b"Host", b"content-length", b"x-a", b"te"])  # fmt: skip
         fields.append((name, given.ConsumeBytes(given.ConsumeIntInRange(0, 30))))
     max_bytes = given.ConsumeIntInRange(20, 2000)
     max_fields = given.ConsumeIntInRange(0, 12)
+    check_head(method, target, version, fields, max_bytes, max_fields)
+
+
+def check_head(
+    method: bytes,
+    target: bytes,
+    version: str,
+    fields: list[tuple[bytes, bytes]],
+    max_bytes: int,
+    max_fields: int,
+) -> None:
+    """head_refusal's answer: None when no rule applies, else one of the rules that do (in
+    whichever order it checks them)."""
     got = http1.head_refusal(method, target, version, fields, max_bytes, max_fields)
-    expect(got is None or (got[0] in (431, 501, 505) and isinstance(got[1], str)), f"{got}")
-    status = got[0] if got else None
-    if version not in ("1.0", "1.1"):
-        expect(status == 505, f"HTTP/{version}: {got}")
-        return
-    # RFC 9112 section 6.3: a Transfer-Encoding field whose codings (empty list elements
-    # ignored, RFC 9110 section 5.6.1) do not end in chunked leaves the body's length unknown:
-    # refused (the sidecar takes chunked alone, as h11 does).
-    named = [name for name, _ in fields if name.lower() == b"transfer-encoding"]
-    codings = [token.strip().lower() for name, value in fields if name.lower() ==
-               b"transfer-encoding" for token in value.split(b",")]  # fmt: skip
-    empty = len([coding for coding in codings if not coding])
-    codings = [coding for coding in codings if coding]
-    refuse = bool(named) and codings != [b"chunked"]
-    expect((status == 501) == refuse, f"codings {codings}: {got}")
-    # h11 as a second reading, where it applies the same rule: it counts an empty list
-    # element as a coding (RFC 9110 section 5.6.1 says to ignore them)
-    if codings and not empty and (verdict := _h11_codings(method, target, fields)) is not None:
-        expect((status == 501) == (verdict == 501), f"h11 says {verdict}, the sidecar {got}")
-    if status == 501:
-        return
-    written = len(method) + 1 + len(target) + len(b" HTTP/1.1\r\n")
-    written += sum(len(name) + 2 + len(value) + 2 for name, value in fields) + 2
-    over = written > max_bytes or len(fields) > max_fields
-    expect((status == 431) == over, f"{written} bytes, {len(fields)} fields: {got}")
+    rules = head_rules(method, target, version, fields, max_bytes, max_fields)
+    hosts = [value for name, value in fields if name.lower() == b"host"]
+    if not HEAD_RULES_PENDING and len(hosts) == 1 and not hosts[0].strip(b" \t"):
+        return  # an empty Host: valid where the target URI has no authority (section 3.2)
+    expect(got is None or isinstance(got[1], str), f"{got}")
+    expect((got is None) == (not rules), f"the sidecar {got}, the rules {rules}")
+    expect(got is None or got[0] in rules, f"the sidecar {got}, the rules {rules}")
+    # h11 as a second reading of the codings, where it applies the same rule (it counts an
+    # empty list element as a coding: RFC 9110 section 5.6.1 says to ignore them)
+    te = [value for name, value in fields if name.lower() == b"transfer-encoding"]
+    tokens = [token.strip() for value in te for token in value.split(b",")]
+    readable = version in ("1.0", "1.1") and tokens and all(tokens)
+    if readable and (verdict := _h11_codings(method, target, fields)) is not None:
+        expect((501 in rules) == (verdict == 501), f"h11 says {verdict}, the rules {rules}")
 
 
 def _h11_codings(method: bytes, target: bytes, fields: list[tuple[bytes, bytes]]) -> int | None:
