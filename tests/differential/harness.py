@@ -41,6 +41,7 @@ from tests.hostile.fake_vllm import NOT_ALLOWED, FakeVllm, Raw
 from tests.vllm_standin import Script, model_list
 
 PAUSE = 0.002  # between two writes of a case: read apart by the sidecar
+EXTRA_WAIT = 0.05  # for bytes after a response, written a pause after it
 READ_TIMEOUT = 2.5  # the suite's silence timeouts are 1 s: a hang shows within this
 # what a client's request must not carry to vLLM: hop-by-hop fields (RFC 9110 section 7.6.1),
 # with those its Connection field names, and Expect (answered by the sidecar)
@@ -389,6 +390,10 @@ class Harness:
                 for name in (b"keep-alive", b"connection"):
                     value = reply.header(name)
                     expect(value in (None, b"close"), f"{what}: vLLM's {name!r} relayed")
+            if "extra-data" in case.features:
+                # bytes vLLM wrote after the response: they have come (the connection sits
+                # idle in the pool) before the next request may take that connection
+                time.sleep(EXTRA_WAIT)
             if outcome in (RELAYED, ERROR_EVENT):  # complete: the connection is kept
                 expect(not replies.closed, f"{what}: closed after a complete response")
                 self.follow_up(sock)

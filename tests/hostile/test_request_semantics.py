@@ -17,7 +17,7 @@ import pytest
 
 from tests.hostile.conftest import FRONTS, Front, fronts
 from tests.hostile.fake_vllm import FakeVllm
-from tests.hostile.wire import CONTINUE, MODEL, ask, complete, exchange
+from tests.hostile.wire import CONTINUE, MODEL, ask, complete, exchange, exchange_to_end
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps(ask("hi")).encode()
@@ -135,7 +135,7 @@ def test_transfer_encoding_in_http10_is_400(front, fake, attack, name):
     head = [f"POST {CHAT} HTTP/1.0", "Host: sidecar", "Content-Type: application/json",
             "Transfer-Encoding: chunked", *one.headers]  # fmt: skip
     body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
-    reply = exchange(one.port, _request(head, body))
+    reply = exchange_to_end(one.port, _request(head, body))
     reached = [seen.target for seen in fake.seen[before:] if seen.target == CHAT]
     check.figures.update(status=reply.status)
     check.check(_openai_error(reply, 400), f"{reply.status} {reply.body[:80]!r}")

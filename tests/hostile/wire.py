@@ -50,6 +50,22 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
         return _read_reply(sock, started, timeout, closed)
 
 
+def exchange_to_end(port: int, data: bytes, timeout: float = 10) -> Reply:
+    """`exchange`, then up to 2 s more for the server to close the connection: `closed` says
+    whether it did (`exchange` stops reading at the end of the response)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        closed = False
+        try:
+            sock.sendall(data)
+        except OSError:
+            closed = True
+        reply = _read_reply(sock, started, timeout, closed)
+        if not reply.closed:
+            reply.closed = closed_by_peer(sock, 2)
+        return reply
+
+
 def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float = 10) -> Reply:
     """Send `head`, then `drip` one byte every `interval` s until the server answers (or
     closes the connection) or `timeout`; parse its response. An interim `100 Continue`
