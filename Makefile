@@ -22,7 +22,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test demo chart lint format generate check-generated bench gpu-pack gpu-test e2e-pack e2e e2e-bench clean
+.PHONY: help dist test demo chart lint format generate check-generated bench fuzz gpu-pack gpu-test e2e-pack e2e e2e-bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/\$$(VLLM_VERSION)/$(VLLM_VERSION)/g' | \
@@ -91,6 +91,18 @@ check-generated: $(BIN)/mla-serve  ## fail when a generated file is stale (part 
 
 test: lint $(VENV)/.test-deps $(LANE)  ## lint, then every test (downloads the 7 vLLM wheels once)
 	$(BIN)/python -m pytest
+
+# Coverage-guided fuzzing (tests/fuzz, atheris): the C lane against the Python path and its
+# frame test against httptools and h11, the request-head checks, the server protocols in
+# process. `make test` runs each target a few seconds over its kept corpus; this runs each
+# FUZZ_SECONDS against a build of the lane made for it (FUZZ_ASAN=1: with AddressSanitizer)
+# and merges what it found, minimized, into tests/fuzz/corpus.
+FUZZ_SECONDS ?= 300
+FUZZ_TARGETS ?= frames lane head_refusal protocol
+FUZZ_ASAN ?=
+fuzz: $(VENV)/.test-deps $(LANE)  ## coverage-guided fuzzing of the C lane and the request heads (FUZZ_SECONDS=300 per target, FUZZ_TARGETS=…, FUZZ_ASAN=1)
+	$(BIN)/python -m tests.fuzz.campaign --seconds $(FUZZ_SECONDS) --targets '$(FUZZ_TARGETS)' \
+	  $(if $(FUZZ_ASAN),--asan)
 
 # bench_passthrough.py: httptools in the venv, as vLLM's image has it (fastapi[standard]), and
 # the proxies it compares the sidecar with in a venv of their own (litellm[proxy]'s pins clash

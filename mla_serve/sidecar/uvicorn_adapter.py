@@ -98,6 +98,16 @@ def _without_upgrade(method: bytes, url: bytes, version: str, fields: Headers) -
     return b"".join(parts)
 
 
+def _request_parser(protocol: Any) -> httptools.HttpRequestParser:
+    """httptools' request parser as uvicorn makes it (a response may go out before the next
+    request of a pipeline is read), taking any HTTP/x.y version line: the version rules are
+    http1.head_refusal's (a higher minor version of 1 read as 1.1, RFC 9112 section 2.3;
+    another major 505), not llhttp's 400 for anything but 1.0 and 1.1."""
+    parser = httptools.HttpRequestParser(protocol)
+    parser.set_dangerous_leniencies(lenient_data_after_close=True, lenient_version=True)
+    return parser
+
+
 class LimitedHttpTools(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits and the transport front; see the
     module's docstring."""
@@ -132,6 +142,7 @@ class LimitedHttpTools(HttpToolsProtocol):
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self.parser = _request_parser(self)
         self.rules = Rules(self.limits, transport, self.loop)
         self.rules.open()
 
@@ -188,8 +199,7 @@ class LimitedHttpTools(HttpToolsProtocol):
         head = _without_upgrade(
             self.parser.get_method(), self.url, self.parser.get_http_version(), self.headers
         )
-        self.parser = httptools.HttpRequestParser(self)
-        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.parser = _request_parser(self)
         try:
             self.parser.feed_data(head + rest)
         except httptools.HttpParserUpgrade:  # the head again: refused, not looped on

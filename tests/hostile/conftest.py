@@ -218,8 +218,8 @@ class Livez:
 @dataclass
 class Front:
     """One way into the sidecar for a chat request: the sidecar's own front (httptools, no
-    ASGI), ASGI on httptools (`Expect: 100-continue` keeps a request off the own front; still
-    classified), or h11 (always ASGI). `headers` go with the request."""
+    ASGI), the same with `Expect: 100-continue` (its `100 Continue` when the body is wanted),
+    or h11 (always ASGI). `headers` go with the request."""
 
     name: str
     sidecar: Sidecar
@@ -230,7 +230,7 @@ class Front:
         return self.sidecar.port
 
 
-FRONTS = ("fast", "asgi", "h11")
+FRONTS = ("fast", "expect", "h11")
 
 
 @contextlib.contextmanager
@@ -241,7 +241,7 @@ def fronts(vllm_url: str, logs: Path, *flags: str) -> Iterator[dict[str, Front]]
     try:
         httptools, h11 = (one.wait_up() for one in started)
         expect = ("Expect: 100-continue",)
-        yield {"fast": Front("fast", httptools), "asgi": Front("asgi", httptools, expect),
+        yield {"fast": Front("fast", httptools), "expect": Front("expect", httptools, expect),
                "h11": Front("h11", h11)}  # fmt: skip
     finally:
         for one in started:

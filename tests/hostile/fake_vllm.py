@@ -24,16 +24,34 @@ tests/vllm_standin.py (`Script`: chunks and whole responses as vLLM serializes t
   [trailers]     a whole response in one chunk, then trailer fields (X-Upstream-Trailer)
   [endlesstrailer]  a whole response in one chunk, then one trailer value that never ends,
                  written as fast as it is read (its bytes counted in `trailer_bytes`)
+  [extra]        a whole response, and in the same write the head and 10 bytes of a second
+                 response nobody asked for (`HTTP/1.1 200 OK`, `content-length: 400`)
+  [switch]       `101 Switching Protocols` (upgrade: websocket) and a few bytes, then the end
+  [gzipte]       `Transfer-Encoding: gzip` without chunked: the body gzipped, ended by the
+                 connection's end
+  [huge]         a stream of HUGE_BYTES in events of about 64 KiB, then [DONE]
+  [oddlabels]    a whole response whose `model` and `finish_reason` are new strings each time
 
-Every request's method, target and headers are recorded in `seen`; any path that is not
-one of vLLM's OpenAI routes answers `ADMIN-ROUTE-REACHED`, so a leak cannot go unseen.
+A HEAD request is answered as vLLM's FastAPI routes answer it: `405 Method Not Allowed`
+with `allow`, the length of the error document and no body (uvicorn sends none for HEAD).
+
+Scripted responses, for tests that build vLLM's bytes themselves (tests/differential): a
+request with the header `x-fake-raw: ID` is answered with `raw[ID]` (`Raw`: its writes,
+written with a pause between them, then the connection kept or closed) whatever its route.
+
+Every request's method, target, headers and body are recorded in `seen` (with the number
+of the connection it came on); any path that is not one of vLLM's OpenAI routes answers
+`ADMIN-ROUTE-REACHED`, so a leak cannot go unseen. Connections are counted as they are
+accepted (`connections`) and while they are open (`open_now`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +60,11 @@ from tests.vllm_standin import VERSION, Script, model_list
 CHUNK = 64 * 1024
 HEAD_LIMIT = 64 * 1024  # mla_serve.sidecar.passthrough.upstream.MAX_HEAD_BYTES
 OPENAI = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
+HUGE_BYTES = 200 << 20  # the [huge] stream's size
+# FastAPI's answer to a method a route does not take, as vLLM sends it (HEAD: without it)
+NOT_ALLOWED = b'{"detail":"Method Not Allowed"}'
+# the head and first bytes of a response nobody asked for, written after an [extra] one
+UNASKED = b"HTTP/1.1 200 OK\r\ncontent-length: 400\r\n\r\n0123456789"
 
 
 @dataclass
@@ -49,6 +72,18 @@ class Seen:
     method: str
     target: str
     headers: dict[str, str]
+    body: bytes = b""
+    connection: int = 0  # the number of the connection it came on (1, 2, ...)
+
+
+@dataclass
+class Raw:
+    """A scripted response: `writes`, `pause` seconds apart, then the connection closed
+    (`close`) or kept for the next request."""
+
+    writes: list[bytes]
+    pause: float = 0.0
+    close: bool = False
 
 
 @dataclass
@@ -60,6 +95,9 @@ class FakeVllm:
     sent_all: dict[str, list[bytes]] = field(default_factory=dict)  # every one
     cut_streams: int = 0  # [endless] streams whose connection the sidecar closed
     trailer_bytes: int = 0  # bytes of [endlesstrailer] values written
+    raw: dict[str, Raw] = field(default_factory=dict)  # scripted responses by x-fake-raw
+    connections: int = 0  # connections accepted
+    open_now: int = 0  # connections open now
     port: int = 0
 
     def start(self) -> FakeVllm:
@@ -103,16 +141,26 @@ class FakeVllm:
         /v1/models and /version polls interleave with the requests under test)."""
         return next(seen for seen in reversed(self.seen) if seen.target.startswith(prefix))
 
+    def connections_of(self, prefix: str) -> set[int]:
+        """The connections on which requests whose target starts with `prefix` came."""
+        return {seen.connection for seen in self.seen if seen.target.startswith(prefix)}
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open_now += 1
+        number = self.connections
         try:
-            while await self._one(reader, writer):
+            while await self._one(reader, writer, number):
                 pass
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
         finally:
+            self.open_now -= 1
             writer.close()
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _one(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int = 0
+    ) -> bool:
         line = await reader.readline()
         if not line:
             return False
@@ -122,8 +170,21 @@ class FakeVllm:
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
-        self.seen.append(Seen(method, target, headers))
+        self.seen.append(Seen(method, target, headers, body, number))
+        scripted = self.raw.get(headers.get("x-fake-raw", ""))
+        if scripted is not None:
+            return await _scripted(writer, scripted)
         path = target.partition("?")[0]
+        if method == "HEAD":  # FastAPI's 405 for a route that does not take HEAD, no body
+            allow = "GET" if path in ("/health", "/version", "/v1/models") else "POST"
+            head = _head(
+                405,
+                "application/json",
+                [("allow", allow), ("content-length", str(len(NOT_ALLOWED)))],
+            )
+            writer.write(head)
+            await writer.drain()
+            return True
         if path == "/health":
             return await _write(writer, 200, b"", "application/json")
         if path == "/version":
@@ -159,12 +220,21 @@ class FakeVllm:
                      ("Keep-Alive", "timeout=5"), ("X-Kept", "yes")]  # fmt: skip
         if "[endless]" in flags:
             return await self._endless(writer, self._events(script, flags))
+        if "[switch]" in flags:  # a 101 to a request that asked for no upgrade
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+                         b"connection: upgrade\r\n\r\n\x81\x05hello")  # fmt: skip
+            await writer.drain()
+            return False
         if body.get("stream", path == "/v1/responses"):  # /v1/responses streams unless told
             events = self._events(script, flags)
-            self.sent[key] = b"".join(events)
-            self.sent_all.setdefault(key, []).append(self.sent[key])
+            if "[huge]" not in flags:  # 200 MiB is not kept
+                self.sent[key] = b"".join(events)
+                self.sent_all.setdefault(key, []).append(self.sent[key])
             return await self._sse(writer, events, flags, extra)
         whole = script.whole()
+        if "[oddlabels]" in flags:  # labels nobody can list in advance
+            whole["model"] = f"m-{uuid.uuid4().hex}"
+            whole["choices"][0]["finish_reason"] = f"f-{uuid.uuid4().hex}"
         if "[negusage]" in flags:
             whole["usage"]["completion_tokens"] = -5
             whole["usage"]["prompt_tokens"] = "twelve"
@@ -190,6 +260,16 @@ class FakeVllm:
                          % (len(payload), payload))  # fmt: skip
             await writer.drain()
             return True
+        if "[extra]" in flags:  # the rest of the read: a response nobody asked for
+            head = _head(200, "application/json", [("content-length", str(len(payload)))])
+            writer.write(head + payload + UNASKED)
+            await writer.drain()
+            return True
+        if "[gzipte]" in flags:  # a transfer coding but chunked, framed by the close
+            writer.write(_head(200, "application/json", [("transfer-encoding", "gzip")])
+                         + gzip.compress(payload))  # fmt: skip
+            await writer.drain()
+            return False
         if "[bodytrickle]" in flags:
             writer.write(_head(200, "application/json", [("content-length", str(len(payload)))]))
             for byte in range(len(payload)):
@@ -241,6 +321,12 @@ class FakeVllm:
             big = {"choices": [{"index": 0, "delta": {"reasoning": "z" * (6 << 20)},
                                 "finish_reason": None}]}  # fmt: skip
             events.insert(1, b"data: " + json.dumps(big).encode() + end)
+        if "[huge]" in flags:  # HUGE_BYTES of ~64 KiB content chunks after the first
+            chunk = next(script.chunks())
+            chunk["choices"] = [{"index": 0, "delta": {"content": "h" * (CHUNK - 512)},
+                                 "logprobs": None, "finish_reason": None}]  # fmt: skip
+            event = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + end
+            events[1:1] = [event] * (HUGE_BYTES // len(event))
         events.append(b"data: [DONE]" + end)
         return events
 
@@ -272,7 +358,16 @@ class FakeVllm:
         return True
 
 
-REASONS = {200: "OK", 401: "Unauthorized", 429: "Too Many Requests"}
+REASONS = {200: "OK", 401: "Unauthorized", 405: "Method Not Allowed", 429: "Too Many Requests"}
+
+
+async def _scripted(writer: asyncio.StreamWriter, scripted: Raw) -> bool:
+    for index, data in enumerate(scripted.writes):
+        if index and scripted.pause:
+            await asyncio.sleep(scripted.pause)
+        writer.write(data)
+        await writer.drain()
+    return not scripted.close
 
 
 def _padded(size: int, payload: bytes) -> list[tuple[str, str]]:

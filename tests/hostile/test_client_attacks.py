@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.hostile.conftest import MEMORY_LIMIT, Livez, RssPeak
-from tests.hostile.wire import MODEL, ask, complete, exchange, get, post
+from tests.hostile.wire import MODEL, ask, closed_by_peer, complete, exchange, get, post
 
 MiB = 1 << 20
 
@@ -63,10 +63,7 @@ def _unterminated_header(port: int, size: int) -> tuple[int, bool]:
                 sent += len(piece)
         except OSError:
             return sent, True
-        try:
-            return sent, sock.recv(1) == b"" or True
-        except OSError:
-            return sent, True
+        return sent, closed_by_peer(sock, 5)
 
 
 def test_memory_unterminated_64mb_headers(sidecar, attack):

@@ -28,7 +28,16 @@ from tests.hostile.conftest import (
     fronts,
 )
 from tests.hostile.fake_vllm import HEAD_LIMIT, FakeVllm
-from tests.hostile.wire import CONTINUE, ask, chunked, complete, exchange, post, trickle
+from tests.hostile.wire import (
+    CONTINUE,
+    ask,
+    chunked,
+    closed_by_peer,
+    complete,
+    exchange,
+    post,
+    trickle,
+)
 
 MiB = 1 << 20
 LIMIT = 32 * 1024  # --max-header-bytes, the default
@@ -96,11 +105,7 @@ def _flood_trailers(one: Front, total: int, shape: str, pause: float) -> tuple[i
                     return sent, False
         except OSError:
             return sent, True
-        sock.settimeout(5)
-        try:
-            return sent, sock.recv(1) == b"" or True
-        except OSError:
-            return sent, True
+        return sent, closed_by_peer(sock, 5)
 
 
 @pytest.mark.parametrize("shape", ["fields", "value"])

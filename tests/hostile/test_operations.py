@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from tests.hostile.fake_vllm import FakeVllm
-from tests.hostile.wire import MODEL, ask, exchange, get, post
+from tests.hostile.wire import MODEL, ask, dechunk, exchange, get, post
 from tests.http_server import free_port
 
 MiB = 1 << 20
@@ -105,6 +106,113 @@ def test_sigterm_drains_in_flight_requests(start_sidecar, fake, attack):
     check.check(whole.endswith(b"data: [DONE]\n\n"), f"stream cut: {whole[-80:]!r}")
     # uvicorn re-raises the SIGTERM it caught once the drain is over: -15 is a clean exit.
     check.check(code in (0, -signal.SIGTERM) and took < 5 + 2, f"exit {code} after {took:.1f} s")
+    check.done()
+
+
+class _Stream(threading.Thread):
+    """One streamed chat on a raw socket, read to its end; what came and when."""
+
+    def __init__(self, port: int, request: bytes) -> None:
+        super().__init__(daemon=True)
+        self.port, self.request = port, request
+        self.data = b""
+        self.times: list[float] = []  # when each read came
+        self.ended = False  # the sidecar ended the connection
+
+    def run(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=20) as sock:
+            sock.sendall(self.request)
+            try:
+                while piece := sock.recv(65536):
+                    self.data += piece
+                    self.times.append(time.monotonic())
+                self.ended = True
+            except OSError:
+                pass
+
+
+class _Counter(threading.Thread):
+    """Read one counter on the admin port every 20 ms (one kept-alive connection) until the
+    sidecar is gone; the highest value seen."""
+
+    def __init__(self, admin: str, name: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.name, self.seen = f"{admin}/metrics", name, 0.0
+
+    def run(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with httpx.Client(timeout=2) as client:
+            while True:
+                try:
+                    text = client.get(self.url).text
+                except httpx.HTTPError:
+                    return
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == self.name:
+                            self.seen = max(self.seen, sample.value)
+                time.sleep(0.02)
+
+
+def _probe(url: str) -> int | str:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError as error:
+        return type(error).__name__
+
+
+def test_sigterm_drains_as_kubernetes_expects(start_sidecar, fake, attack):
+    """50 streams of about 8 s, SIGTERM 0.7 s after they began, --drain-timeout 2: /readyz
+    on the admin port answers 503 at once (a readiness probe sees the pod go unready, never
+    a refused connection) and /livez 200 during the drain; the streams keep flowing until
+    the drain timeout, where each ends with the pass-through's error event and the last
+    chunk, counted (`mla_serve_drain_ended_responses_total`, or a log line as it exits)."""
+    check = attack("SIGTERM with 50 streams of about 8 s, --drain-timeout 2", "drain")
+    sidecar = start_sidecar(fake.url, "--drain-timeout", "2")
+    sidecar.wait_ready()
+    body = json.dumps(ask("[runaway] [slow] x", stream=True, max_tokens=80)).encode()
+    streams = [_Stream(sidecar.port, post("/v1/chat/completions", body)) for _ in range(50)]
+    began = time.monotonic()
+    for stream in streams:
+        stream.start()
+    while not all(stream.data for stream in streams) and time.monotonic() - began < 5:
+        time.sleep(0.02)
+    time.sleep(max(0.0, 0.7 - (time.monotonic() - began)))
+    counter = _Counter(sidecar.admin, "mla_serve_drain_ended_responses_total")
+    counter.start()
+    signalled = time.monotonic()
+    sidecar.process.send_signal(signal.SIGTERM)
+    first_ready = _probe(f"{sidecar.admin}/readyz")
+    time.sleep(0.5)
+    during = {"readyz": _probe(f"{sidecar.admin}/readyz"),
+              "livez": _probe(f"{sidecar.admin}/livez")}  # fmt: skip
+    for stream in streams:
+        stream.join(timeout=15)
+    code = sidecar.process.wait(timeout=15)
+    took = time.monotonic() - signalled
+    counter.join(timeout=5)
+    flowing = sum(1 for s in streams if any(signalled + 1.0 < t < signalled + 2 for t in s.times))
+    ended = []
+    for stream in streams:
+        _, _, raw = stream.data.partition(b"\r\n\r\n")
+        events = [event for event in dechunk(raw).split(b"\n\n") if event]
+        ended.append(raw.endswith(b"\r\n0\r\n\r\n") and bool(events)
+                     and events[-1].startswith(b'data: {"error"'))  # fmt: skip
+    log_lines = sidecar.log.read_text(errors="replace").splitlines()
+    logged = [line for line in log_lines if "drain" in line.lower() and re.search(r"\b50\b", line)]
+    check.figures.update(first_readyz=first_ready, during=during, flowing=flowing,
+                         ended_cleanly=sum(ended), exit_code=code, counted=counter.seen,
+                         seconds=round(took, 2))  # fmt: skip
+    check.check(first_ready == 503, f"/readyz right after SIGTERM: {first_ready}")
+    check.check(during == {"readyz": 503, "livez": 200}, f"during the drain: {during}")
+    check.check(flowing == 50, f"{flowing} of 50 streams flowed 1-2 s after SIGTERM")
+    check.check(all(ended), f"{sum(ended)} of 50 streams ended with the error event and last chunk")
+    # counted: seen in the counter before the sidecar exits, or logged as it exits
+    check.check(counter.seen == 50 or bool(logged),
+                f"the 50 streams ended at the drain timeout are not counted: the counter showed "
+                f"{counter.seen:g}, no log line says 50")  # fmt: skip
+    check.check(code in (0, -signal.SIGTERM) and took < 2 + 3, f"exit {code} after {took:.1f} s")
     check.done()
 
 

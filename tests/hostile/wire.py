@@ -50,6 +50,22 @@ def exchange(port: int, data: bytes, timeout: float = 10, pause: float = 0) -> R
         return _read_reply(sock, started, timeout, closed)
 
 
+def exchange_to_end(port: int, data: bytes, timeout: float = 10) -> Reply:
+    """`exchange`, then up to 2 s more for the server to close the connection: `closed` says
+    whether it did (`exchange` stops reading at the end of the response)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        closed = False
+        try:
+            sock.sendall(data)
+        except OSError:
+            closed = True
+        reply = _read_reply(sock, started, timeout, closed)
+        if not reply.closed:
+            reply.closed = closed_by_peer(sock, 2)
+        return reply
+
+
 def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float = 10) -> Reply:
     """Send `head`, then `drip` one byte every `interval` s until the server answers (or
     closes the connection) or `timeout`; parse its response. An interim `100 Continue`
@@ -78,6 +94,22 @@ def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float
 
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the other end closes the connection within `timeout` s: what it still sends
+    (an error response) is read and dropped until the end (or a reset) comes."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:  # reset: closed with our bytes unread
+            return True
+    return False
 
 
 def _read_reply(sock: socket.socket, started: float, timeout: float, closed: bool) -> Reply:
