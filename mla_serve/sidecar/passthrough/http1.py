@@ -75,8 +75,9 @@ def head_refusal(
     """Why a request whose head is complete is not served, as (status, message); None when
     it is. HTTP/1.x only (505; a minor version above 1 read as 1.1); no Transfer-Encoding in an
     HTTP/1.0 request, nor beside a Content-Length (400: faulty framing, which RFC 9112 section
-    6.1 lets a server refuse; request smuggling lives in the gap); no transfer coding but `chunked` alone (501,
-    RFC 9112 section 6.1: a body in `gzip, chunked` cannot pass as plain bytes); one Host
+    6.1 lets a server refuse; request smuggling lives in the gap); no transfer coding but
+    `chunked` alone (501, RFC 9112 section 6.1: a body in `gzip, chunked` cannot pass as plain
+    bytes); one Host
     field with a valid value, and one at all in HTTP/1.1 (400, RFC 9112 section 3.2);
     request line and headers of at most `max_bytes`, at most `max_fields` headers (431)."""
     if not served_version(version):
