@@ -21,7 +21,7 @@ Fields = Iterable[tuple[bytes, bytes]]
 # percent-encoded and sub-delims characters; it may be empty: RFC 9112 section 3.2).
 _SUB = rb"A-Za-z0-9._~!$&'()*+,;=-"
 _HOST = re.compile(rb"(\[[^\]]*\]|(?:[" + _SUB + rb"]|%[0-9A-Fa-f]{2})*)(?::[0-9]*)?")
-_FUTURE = re.compile(rb"v[0-9A-Fa-f]+\.[" + _SUB + rb":]+", re.I)
+_FUTURE = re.compile(rb"v[0-9A-Fa-f]+\.[:" + _SUB + rb"]+", re.I)
 
 
 def valid_host(value: bytes) -> bool:
@@ -108,6 +108,6 @@ def head_refusal(
         return 400, "more than one Host header"
     if hosts and not valid_host(hosts[0]):
         return 400, "the Host header is not a valid host"
-    if not hosts and version == "1.1":
+    if not hosts and version != "1.0":  # 1.1, and a higher minor version read as 1.1
         return 400, "an HTTP/1.1 request must have a Host header"
     return None
