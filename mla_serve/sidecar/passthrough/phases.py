@@ -26,6 +26,10 @@ import enum
 
 
 class Phase(enum.Enum):
+    # A member is only ever equal to itself: its identity is its hash, which keeps the table
+    # lookups in C (Enum's own __hash__ is a Python function, run twice a move).
+    __hash__ = object.__hash__
+
     BODY = "reading the request body"
     QUEUED = "read, behind an earlier response on its connection"
     CONNECTING = "connecting to vLLM"

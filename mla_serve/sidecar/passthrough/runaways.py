@@ -19,18 +19,21 @@ from prometheus_client import CollectorRegistry, Counter
 
 from mla_serve.sidecar.passthrough.labels import Labels, finished_reason
 
+REASONING = "reasoning"  # the one channel whose text is not the answer
+
 
 def visible_channel(channel: str) -> bool:
     """Whether a channel's text is what the client sees as the answer: content (chat) and
     text (completions) are; reasoning is not."""
-    return channel != "reasoning"
+    return channel != REASONING
 
 
 def visible(channel: str, text: object) -> bool:
-    """The one rule for a visible answer: text of a visible channel with a character that is
-    not whitespace (`str.isspace`; the C lane checks it the same way, per channel as
-    `visible_channel` says)."""
-    return visible_channel(channel) and isinstance(text, str) and text != "" and not text.isspace()
+    """The one rule for a visible answer: text of a visible channel (`visible_channel`'s
+    test, written out: this runs per token) with a character that is not whitespace
+    (`str.isspace`; the C lane checks it the same way, per channel as `visible_channel`
+    says)."""
+    return channel != REASONING and isinstance(text, str) and text != "" and not text.isspace()
 
 
 @dataclass

@@ -73,6 +73,8 @@ class Sink(Protocol):
 
 
 class State(enum.Enum):
+    __hash__ = object.__hash__  # identity, as phases.Phase: the table lookups stay in C
+
     IDLE = "no request"
     AWAITING = "a request written, its response's head awaited"
     BODY = "the response's body being read"
