@@ -285,15 +285,15 @@ class LimitedHttpTools(HttpToolsProtocol):
         request_headers = self.headers
         url = httptools.parse_url(self.url)
         client = self.client
+        body = has_body(request_headers)
         exchange = admit(
             service,
             front, parser.get_method(), _path(url.path), url.query or b"", request_headers,
-            client[0] if client else "", (self.scheme or "http").encode("latin-1"),
-            has_body(request_headers),
+            client[0] if client else "", (self.scheme or "http").encode("latin-1"), body,
         )  # fmt: skip
         if exchange is not None:
             front.exchange = exchange
-            if exchange.begin(length_of(request_headers)) and has_body(request_headers):
+            if exchange.begin(length_of(request_headers)) and body:
                 front.wants_body()
 
     def on_chunk_header(self) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.hostile import wire
 from tests.hostile.conftest import FRONTS, Front, fronts
 from tests.hostile.fake_vllm import FakeVllm
 from tests.hostile.wire import CONTINUE, MODEL, ask, complete, exchange, exchange_to_end
@@ -45,24 +46,14 @@ def _responses(port: int, data: bytes, count: int, timeout: float = 5) -> list[b
     """Send `data`; read until `count` whole responses came (interim 100s left out), the
     connection ended, or `timeout`; each response's bytes."""
     import socket
-    import time
 
-    received = b""
-    deadline = time.monotonic() + timeout
+    def done(received: bytes) -> bool:
+        parts = _split(received.replace(CONTINUE, b""))
+        return len(parts) >= count and complete(parts[count - 1])
+
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
-        while (left := deadline - time.monotonic()) > 0:
-            parts = _split(received.replace(CONTINUE, b""))
-            if len(parts) >= count and complete(parts[count - 1]):
-                break
-            sock.settimeout(left)
-            try:
-                piece = sock.recv(65536)
-            except (TimeoutError, OSError):
-                break
-            if not piece:
-                break
-            received += piece
+        received = wire.read_until(sock, timeout, done)
     return _split(received.replace(CONTINUE, b""))
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.hostile import wire
 from tests.hostile.conftest import FRONTS, Front, fronts
 from tests.hostile.fake_vllm import NOT_ALLOWED, FakeVllm
 from tests.hostile.wire import CONTINUE, MODEL, ask, complete, exchange, get, post
@@ -62,21 +63,12 @@ def test_bytes_after_a_response_drop_vllms_connection(start_sidecar, fake, attac
 def _read_head(sock: socket.socket, seconds: float) -> bytes:
     """The bytes up to the end of a final response's head (an interim 100 Continue left
     out), or what came within `seconds`."""
-    data = b""
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
+
+    def done(data: bytes) -> bool:
         data = data.removeprefix(CONTINUE)
-        if b"\r\n\r\n" in data and not CONTINUE.startswith(data[: len(CONTINUE)]):
-            break
-        sock.settimeout(left)
-        try:
-            piece = sock.recv(65536)
-        except (TimeoutError, OSError):
-            break
-        if not piece:
-            break
-        data += piece
-    return data
+        return b"\r\n\r\n" in data and not CONTINUE.startswith(data[: len(CONTINUE)])
+
+    return wire.read_until(sock, seconds, done).removeprefix(CONTINUE)
 
 
 def _more(sock: socket.socket, seconds: float) -> bytes | None:

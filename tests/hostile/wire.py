@@ -6,6 +6,7 @@ import json
 import select
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,22 @@ def trickle(port: int, head: bytes, drip: bytes, interval: float, timeout: float
 
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def read_until(sock: socket.socket, seconds: float, done: Callable[[bytes], bool]) -> bytes:
+    """What `sock` gives until `done(all read so far)`, the peer closes, or `seconds`."""
+    data = b""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and not done(data):
+        sock.settimeout(left)
+        try:
+            piece = sock.recv(65536)
+        except (TimeoutError, OSError):
+            break
+        if not piece:
+            break
+        data += piece
+    return data
 
 
 def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
