@@ -392,7 +392,7 @@ def test_a_guard_that_fails_ends_the_stream_the_same_either_way(monkeypatch, cap
         return original(self)
 
     monkeypatch.setattr(TailDetector, "check", failing)
-    reads = cuts(vllm_stream(thinking(40)), "each")
+    reads = cuts(vllm_stream(thinking(400)), "each")
     python = run(False, reads)
     looks.clear()
     lane = run(True, reads)

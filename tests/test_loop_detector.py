@@ -7,7 +7,11 @@ flagged, at any point of its stream, under the default settings.
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from mla_serve.sidecar.guard.loops import LoopConfig, LoopMetrics, LoopPolicy, TailDetector
@@ -110,11 +114,14 @@ def test_bad_settings_are_named() -> None:
 
 
 def test_memory_per_choice_is_bounded() -> None:
+    """The tail stays within twice the window; what waits for the next look within the
+    characters no loop can be confirmed in (the quiet stretch, or the first min_chars)."""
     detector = TailDetector(DEFAULT)
+    waiting = max(DEFAULT.quiet_chars, DEFAULT.min_chars) + DEFAULT.check_every + 4
     for piece in stream(LEGIT["long_reasoning"][1] * 10, (4,)):
         detector.feed(piece)
         assert len(detector.tail) <= 2 * DEFAULT.window_chars
-        assert sum(map(len, detector.pieces)) < DEFAULT.check_every + 4
+        assert sum(map(len, detector.pieces)) <= waiting
 
 
 def chunk(index: int, **delta: str) -> dict[str, object]:
@@ -201,3 +208,142 @@ def test_odd_chunks_are_ignored_not_fatal() -> None:
         assert guard.add_chunk(chunk) is False
     assert all(watch.detector.tail == "" for watch in guard.watches.values())
     assert all(not watch.detector.pieces for watch in guard.watches.values())
+
+
+# -- points passed without a look find the same loops ------------------------------------------
+Hit = tuple[int, tuple[int, int]] | None  # (index of the token, (period, repeats)), or None
+
+
+def looked_at_every_point(config: LoopConfig, texts: list[str]) -> Hit:
+    """The detector's definition with a search at every point (a token's end once
+    `check_every` characters came): (index of the token, (period, repeats)) at the first
+    confirmation, or None. Written here from the definition, as the reference."""
+    tail, fresh = "", 0
+    for index, text in enumerate(texts):
+        tail, fresh = tail + text, fresh + len(text)
+        if fresh < config.check_every:
+            continue
+        fresh = 0
+        if len(tail) > 2 * config.window_chars:
+            tail = tail[-config.window_chars :]
+        size = len(tail)
+        if size < config.min_chars:
+            continue
+        probe = tail[-config.probe_chars :]
+        first = max(size - config.probe_chars - config.max_period, 0)
+        end = size - 1
+        for _ in range(config.max_candidates):
+            start = tail.rfind(probe, first, end)
+            if start < 0:
+                break
+            period = size - config.probe_chars - start
+            span = max(config.min_repeats * period, config.min_chars)
+            if span > size:
+                break
+            if tail[size - span + period :] == tail[size - span : size - period]:
+                while span + period <= size and (
+                    tail[size - span - period : size - span]
+                    == tail[size - span : size - span + period]
+                ):
+                    span += period
+                return index, (period, span // period)
+            end = start + config.probe_chars - 1
+    return None
+
+
+def token_by_token(config: LoopConfig, texts: list[str]) -> Hit:
+    detector = TailDetector(config)
+    for index, text in enumerate(texts):
+        found = detector.feed(text)
+        if found is not None:
+            return index, found
+    return None
+
+
+def handed_over(config: LoopConfig, texts: list[str]) -> Hit:
+    """As the C lane hands texts over: kept until they reach `until_check()`, then at once."""
+    detector, kept, budget = TailDetector(config), [], TailDetector(config).until_check()
+    for index, text in enumerate(texts):
+        kept.append(text)
+        budget -= len(text)
+        if budget > 0:
+            continue
+        found = detector.feed_texts(kept)
+        kept.clear()
+        if found is not None:
+            return index, found
+        budget = detector.until_check()
+    return None
+
+
+WORDS = ("the ", "loop ", "check ", "again", ". ", "\n", "so ", "x", "value ", "= ", "a1 ", "é ")
+
+
+def generated(seed: int, segments: int) -> str:
+    """Prose of a small vocabulary (probes that recur) and exact repetitions of its pieces."""
+    rng, out = random.Random(seed), []
+    for _ in range(segments):
+        unit = "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
+        out.append(unit * (rng.choice((1, 1, 2, 3, 5, 9, 40)) if rng.random() < 0.6 else 1))
+    return "".join(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    segments=st.integers(1, 40),
+    repeats=st.integers(2, 5),
+    min_chars=st.integers(20, 400),
+    window_extra=st.integers(0, 600),
+    check_every=st.integers(1, 48),
+    probe_chars=st.integers(4, 19),
+    max_candidates=st.integers(1, 8),
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+)
+def test_passing_points_finds_the_same_loops_at_the_same_points(
+    seed, segments, repeats, min_chars, window_extra, check_every, probe_chars, max_candidates,
+    sizes,
+) -> None:  # fmt: skip
+    config = LoopConfig(min_repeats=repeats, min_chars=max(min_chars, probe_chars + 1),
+                        window_chars=max(min_chars, probe_chars + 1) + window_extra,
+                        check_every=check_every, probe_chars=probe_chars,
+                        max_candidates=max_candidates)  # fmt: skip
+    assert not config.problems()
+    texts = list(stream(generated(seed, segments), tuple(sizes)))
+    expected = looked_at_every_point(config, texts)
+    assert token_by_token(config, texts) == expected
+    assert handed_over(config, texts) == expected
+
+
+@pytest.mark.parametrize("name", sorted(LOOPS) + sorted(LEGIT))
+def test_the_corpus_is_found_at_the_same_points(name: str) -> None:
+    """Every corpus text, in every chunking, token by token and handed over as the lane
+    does: the same answer at the same token as looking at every point."""
+    text = (LOOPS | LEGIT)[name][1]
+    for sizes in CHUNKINGS:
+        texts = list(stream(text, sizes))
+        expected = looked_at_every_point(DEFAULT, texts)
+        assert (expected is None) == (name in LEGIT)
+        assert token_by_token(DEFAULT, texts) == expected
+        assert handed_over(DEFAULT, texts) == expected
+
+
+def test_ordinary_text_is_searched_rarely(monkeypatch) -> None:
+    """On long prose the detector searches about once per quiet stretch, not at every point."""
+    looks = 0
+    original = TailDetector.check
+
+    def counted(self: TailDetector) -> tuple[int, int] | None:
+        nonlocal looks
+        looks += 1
+        return original(self)
+
+    monkeypatch.setattr(TailDetector, "check", counted)
+    detector = TailDetector(DEFAULT)
+    text = LEGIT["long_reasoning"][1] * 4
+    points = 0
+    for piece in stream(text, (4,)):
+        fresh = detector.fresh + len(piece)
+        points += fresh >= DEFAULT.check_every
+        detector.feed(piece)
+    assert points > 20 * looks > 0, (points, looks)

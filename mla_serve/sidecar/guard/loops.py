@@ -19,7 +19,10 @@ characters are searched for in the max period before them (`str.rfind`, in C); e
 earlier occurrence at distance d is a candidate period, verified with one slice
 comparison (C as well). At most `max_candidates` candidates per check. A periodic tail
 always has its probe again at distance p, so no loop is missed; ordinary text rarely has a
-32-character string twice, so most checks end after one search.
+32-character string twice, so most checks end after one search, and such a search also
+says that no loop can be confirmed for the next `LoopConfig.quiet_chars` characters (736
+with the defaults): the checks there are passed without a search (TailDetector says why
+that finds the same loops at the same points).
 
 Interface: `LoopPolicy.watch(request, model)` gives a `ResponseGuard` for one response (None
 when the guard is off for that model); feed it every stream chunk (`add_chunk`, True when
@@ -61,6 +64,16 @@ class LoopConfig:
     def max_period(self) -> int:
         return self.window_chars // self.min_repeats
 
+    @property
+    def quiet_chars(self) -> int:
+        """Characters after a look whose probe was nowhere earlier in which no loop can be
+        confirmed (TailDetector): the least of max(min_repeats * p, min_chars) - p over the
+        periods p, less the probe. That function falls, then rises, in p: its least is at
+        min_chars / min_repeats, rounded either way, within 1..max_period."""
+        k, m, top = self.min_repeats, self.min_chars, max(self.max_period, 1)
+        around = {min(max(p, 1), top) for p in (m // k, -(-m // k), 1, top)}
+        return max(min(max(k * p, m) - p for p in around) - self.probe_chars, 0)
+
     def problems(self) -> list[str]:
         """What makes this configuration unusable; empty when it is fine."""
         found = []
@@ -86,10 +99,21 @@ class Loop:
 class TailDetector:
     """Exact periodic repetition at the end of a growing text (one channel of one choice).
 
-    Incremental: text between two checks is kept as pieces; a check appends them to the
-    kept tail in place (the tail's only reference is dropped first, so CPython grows the
-    string instead of copying it) and trims it to `window_chars` once it passes twice that,
-    then searches the last `max_period + probe_chars` characters only."""
+    It looks at points: a token's end once `check_every` characters came since the last
+    point. At each point the kept tail grows by those characters and is trimmed to
+    `window_chars` once it passes twice that (its length is counted at every point, the
+    string itself is joined where the detector looks, in place). A look searches the last
+    `max_period + probe_chars` characters only.
+
+    Points where no loop can be confirmed yet are passed without a look: before the text
+    reaches `min_chars`, and after a look that found its probe nowhere before it (the usual
+    answer on ordinary text). A loop of period p confirmed at length t makes its last
+    span(p) = max(min_repeats * p, min_chars) characters p-periodic; a probe that ended at
+    length s with s - probe_chars >= t - span(p) + p lies in that periodic stretch and so
+    occurs again p characters earlier, within the searched window. So after a look at s
+    whose probe is nowhere earlier, no point up to s + `LoopConfig.quiet_chars` (the least
+    span(p) - p, less the probe) can confirm, and passing them finds every loop at the same
+    point, with the same period and repeats, as looking at each."""
 
     __slots__ = (
         "check_every",
@@ -100,14 +124,18 @@ class TailDetector:
         "min_chars",
         "min_repeats",
         "pieces",
+        "pos",
         "probe_chars",
+        "quiet",
+        "quiet_end",
+        "size",
         "tail",
         "window",
     )
 
     def __init__(self, config: LoopConfig) -> None:
         self.config = config
-        # the configuration's figures, read at every check
+        # the configuration's figures, read at every point
         self.check_every = config.check_every
         self.window = config.window_chars
         self.min_chars = config.min_chars
@@ -115,39 +143,83 @@ class TailDetector:
         self.probe_chars = config.probe_chars
         self.max_period = config.max_period
         self.max_candidates = config.max_candidates
-        self.tail = ""
-        self.pieces: list[str] = []
-        self.fresh = 0
+        self.quiet = config.quiet_chars
+        self.tail = ""  # the kept tail as of the last look
+        self.pieces: list[str] = []  # text since the last look
+        self.fresh = 0  # characters since the last point
+        self.pos = 0  # characters fed in all
+        self.size = 0  # the kept tail's length as of the last point
+        self.quiet_end = config.min_chars - 1  # no point up to this length can confirm
 
     def feed(self, text: str) -> tuple[int, int] | None:
         """Add text; (period, repeats) once the tail is a loop, else None."""
         self.pieces.append(text)
-        self.fresh += len(text)
-        if self.fresh < self.check_every:
+        size = len(text)
+        self.pos += size
+        fresh = self.fresh + size
+        if fresh < self.check_every:
+            self.fresh = fresh
             return None
-        return self.check()
+        return self._point(fresh)
+
+    def feed_texts(self, texts: list[str]) -> tuple[int, int] | None:
+        """`feed` for each text in turn (tokens' texts, in order), in one call; the answer
+        of the first point that confirms a loop (the texts after it kept, not looked at)."""
+        check_every = self.check_every
+        pieces = self.pieces
+        fresh = self.fresh
+        for text in texts:
+            pieces.append(text)
+            size = len(text)
+            self.pos += size
+            fresh += size
+            if fresh >= check_every:
+                found = self._point(fresh)
+                fresh = 0
+                if found is not None:
+                    return found
+        self.fresh = fresh
+        return None
 
     def until_check(self) -> int:
-        """Characters of text still to come before the next check."""
-        return self.check_every - self.fresh
+        """Characters of text still to come before the next point that may confirm: the
+        text may be handed over in one piece (`feed_texts`) up to the token that reaches
+        them."""
+        return max(self.check_every - self.fresh, self.quiet_end + 1 - self.pos)
 
     def feed_all(self, text: str) -> tuple[int, int] | None:
         """Check a whole text at once: its tail only, so a loop that ran to the end."""
-        self.pieces.append(text[-2 * self.window :])
+        kept = text[-2 * self.window :]
+        self.pieces.append(kept)
+        self.pos += len(text)
+        self.size = min(self.size + len(kept), 2 * self.window)
+        self.fresh = 0
+        return self.check()
+
+    def _point(self, fresh: int) -> tuple[int, int] | None:
+        """A point, `fresh` characters after the last: the tail's length counted, and a look
+        where a loop may be confirmed."""
+        self.fresh = 0
+        size = self.size + fresh
+        if size > 2 * self.window:
+            size = self.window
+        self.size = size
+        if self.pos <= self.quiet_end:
+            return None
         return self.check()
 
     def check(self) -> tuple[int, int] | None:
-        self.fresh = 0
+        """The look: the kept tail made current, then searched."""
         pieces = self.pieces
         added = pieces[0] if len(pieces) == 1 else "".join(pieces)
         pieces.clear()
         tail = self.tail
         self.tail = ""  # `tail` is the string's one reference now: `+=` may grow it in place
         tail += added
-        if len(tail) > 2 * self.window:
-            tail = tail[-self.window :]
+        size = self.size
+        if len(tail) > size:
+            tail = tail[-size:]
         self.tail = tail
-        size = len(tail)
         if size < self.min_chars:
             return None
         probe_size = self.probe_chars
@@ -155,10 +227,11 @@ class TailDetector:
         end = size - 1  # occurrences that end before the last character
         first = max(size - probe_size - self.max_period, 0)  # nothing farther can be a period
         min_repeats, min_chars = self.min_repeats, self.min_chars
+        start = tail.rfind(probe, first, end)
+        if start < 0:  # the probe is nowhere earlier: the next `quiet` characters can't loop
+            self.quiet_end = self.pos + self.quiet
+            return None
         for _ in range(self.max_candidates):
-            start = tail.rfind(probe, first, end)
-            if start < 0:
-                return None
             period = size - probe_size - start
             span = max(min_repeats * period, min_chars)
             if span > size:
@@ -166,6 +239,9 @@ class TailDetector:
             if tail[size - span + period :] == tail[size - span : size - period]:
                 return period, self._repeats(tail, period, span)
             end = start + probe_size - 1
+            start = tail.rfind(probe, first, end)
+            if start < 0:
+                return None
         return None
 
     @staticmethod
@@ -350,7 +426,7 @@ class ResponseGuard:
         watch = self.watches[index]
         watch.tokens += tokens
         if texts and watch.loop is None:
-            found = watch.detector.feed(texts[0] if len(texts) == 1 else "".join(texts))
+            found = watch.detector.feed_texts(texts)
             if found is not None:
                 self._found(watch, watch.channel, found)
                 if self._stopping():
