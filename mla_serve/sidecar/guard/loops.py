@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -64,7 +65,7 @@ class LoopConfig:
     def max_period(self) -> int:
         return self.window_chars // self.min_repeats
 
-    @property
+    @cached_property  # read by every detector a response makes
     def quiet_chars(self) -> int:
         """Characters after a look whose probe was nowhere earlier in which no loop can be
         confirmed (TailDetector): the least of max(min_repeats * p, min_chars) - p over the
