@@ -165,7 +165,8 @@ class TailDetector:
 
     def feed_texts(self, texts: list[str]) -> tuple[int, int] | None:
         """`feed` for each text in turn (tokens' texts, in order), in one call; the answer
-        of the first point that confirms a loop (the texts after it kept, not looked at)."""
+        of the first point that confirms a loop (the texts after it are not fed: a confirmed
+        loop's text is not looked at again)."""
         check_every = self.check_every
         pieces = self.pieces
         fresh = self.fresh
