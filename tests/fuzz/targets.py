@@ -117,10 +117,11 @@ def lane(data: bytes) -> None:
 
 
 # -- head_refusal -------------------------------------------------------------------------
-# RFC 3986's host (an IP literal, an IPv4 address or a reg-name) and an optional port
+# RFC 3986's host (an IP literal, an IPv4 address or a reg-name, which may be empty: `:` and
+# `:80` are an empty host with an empty or a given port) and an optional port
 _UNRESERVED = rb"A-Za-z0-9\-._~!$&'()*+,;="
 _HOST = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|\[v[0-9A-Fa-f]+\.[" + _UNRESERVED + rb":]+\]|"
-                   rb"(?:[" + _UNRESERVED + rb"]|%[0-9A-Fa-f]{2})+)(:[0-9]*)?")  # fmt: skip
+                   rb"(?:[" + _UNRESERVED + rb"]|%[0-9A-Fa-f]{2})*)(:[0-9]*)?")  # fmt: skip
 
 
 def _valid_host(value: bytes) -> bool:
