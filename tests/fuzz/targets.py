@@ -377,8 +377,10 @@ def _check_protocol(data: bytes, out: bytes) -> None:
                f"request {index} passed on ({method!r} {target!r}), h11 refused it: "
                f"{read.refused}")  # fmt: skip
         message = read.messages[index]
-        # ASGI gives the path and the query apart: an empty query's "?" does not come back
-        read_target = message.target.removesuffix(b"?")
+        # ASGI gives the path and the query apart: an empty query's "?" does not come back;
+        # a fragment, which no request-target has (RFC 9112 section 3.2), httptools' URL
+        # reading leaves out of both, where h11 keeps the target as sent
+        read_target = message.target.partition(b"#")[0].removesuffix(b"?")
         expect((method, target) == (message.method, read_target),
                f"request {index}: {method!r} {target!r}, h11 read {message.method!r} "
                f"{message.target!r}")  # fmt: skip
