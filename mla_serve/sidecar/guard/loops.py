@@ -148,16 +148,14 @@ class TailDetector:
         self.tail = ""  # the kept tail as of the last look
         self.pieces: list[str] = []  # text since the last look
         self.fresh = 0  # characters since the last point
-        self.pos = 0  # characters fed in all
+        self.pos = 0  # characters of text up to the last point
         self.size = 0  # the kept tail's length as of the last point
         self.quiet_end = config.min_chars - 1  # no point up to this length can confirm
 
     def feed(self, text: str) -> tuple[int, int] | None:
         """Add text; (period, repeats) once the tail is a loop, else None."""
         self.pieces.append(text)
-        size = len(text)
-        self.pos += size
-        fresh = self.fresh + size
+        fresh = self.fresh + len(text)
         if fresh < self.check_every:
             self.fresh = fresh
             return None
@@ -172,9 +170,7 @@ class TailDetector:
         fresh = self.fresh
         for text in texts:
             pieces.append(text)
-            size = len(text)
-            self.pos += size
-            fresh += size
+            fresh += len(text)
             if fresh >= check_every:
                 found = self._point(fresh)
                 fresh = 0
@@ -187,26 +183,26 @@ class TailDetector:
         """Characters of text still to come before the next point that may confirm: the
         text may be handed over in one piece (`feed_texts`) up to the token that reaches
         them."""
-        return max(self.check_every - self.fresh, self.quiet_end + 1 - self.pos)
+        fresh = self.fresh
+        return max(self.check_every - fresh, self.quiet_end + 1 - self.pos - fresh)
 
     def feed_all(self, text: str) -> tuple[int, int] | None:
         """Check a whole text at once: its tail only, so a loop that ran to the end."""
         kept = text[-2 * self.window :]
         self.pieces.append(kept)
-        self.pos += len(text)
-        self.size = min(self.size + len(kept), 2 * self.window)
-        self.fresh = 0
-        return self.check()
+        self.pos += len(text) - len(kept)
+        return self._point(self.fresh + len(kept), look=True)
 
-    def _point(self, fresh: int) -> tuple[int, int] | None:
+    def _point(self, fresh: int, look: bool = False) -> tuple[int, int] | None:
         """A point, `fresh` characters after the last: the tail's length counted, and a look
-        where a loop may be confirmed."""
+        where a loop may be confirmed (or always, `look`)."""
         self.fresh = 0
+        self.pos += fresh
         size = self.size + fresh
         if size > 2 * self.window:
             size = self.window
         self.size = size
-        if self.pos <= self.quiet_end:
+        if self.pos <= self.quiet_end and not look:
             return None
         return self.check()
 
@@ -229,11 +225,12 @@ class TailDetector:
         end = size - 1  # occurrences that end before the last character
         first = max(size - probe_size - self.max_period, 0)  # nothing farther can be a period
         min_repeats, min_chars = self.min_repeats, self.min_chars
-        start = tail.rfind(probe, first, end)
-        if start < 0:  # the probe is nowhere earlier: the next `quiet` characters can't loop
-            self.quiet_end = self.pos + self.quiet
-            return None
-        for _ in range(self.max_candidates):
+        for candidate in range(self.max_candidates):
+            start = tail.rfind(probe, first, end)
+            if start < 0:
+                if candidate == 0:  # the probe is nowhere earlier: `quiet` more can't loop
+                    self.quiet_end = self.pos + self.quiet
+                return None
             period = size - probe_size - start
             span = max(min_repeats * period, min_chars)
             if span > size:
@@ -241,9 +238,6 @@ class TailDetector:
             if tail[size - span + period :] == tail[size - span : size - period]:
                 return period, self._repeats(tail, period, span)
             end = start + probe_size - 1
-            start = tail.rfind(probe, first, end)
-            if start < 0:
-                return None
         return None
 
     @staticmethod
