@@ -22,7 +22,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export MLA_SERVE_WHEEL_CACHE := $(CACHE)/wheels
 export MLA_SERVE_CACHE := $(CACHE)
 
-.PHONY: help dist test demo chart lint format generate check-generated bench fuzz gpu-pack gpu-test e2e-pack e2e e2e-bench clean
+.PHONY: help dist test demo chart lint format generate check-generated bench fuzz gpu-pack gpu-test e2e-pack e2e e2e-bench e2e-backends clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/\$$(VLLM_VERSION)/$(VLLM_VERSION)/g' | \
@@ -148,6 +148,12 @@ E2E_BENCH_ARGS ?=
 e2e-bench:  ## end to end: on a CUDA machine, the sidecar's cost on a live vLLM beside Envoy's (E2E_BENCH_ARGS=…)
 	if compgen -G 'build/e2e/*/' > /dev/null; then bash tests/e2e/run.sh unpack build/e2e/*/; fi
 	bash tests/e2e/run.sh bench $(E2E_BENCH_ARGS)
+
+# GLM-5.3's sparse-MLA attention backends on Hopper side by side (tests/e2e/backends.py), <= 9 min.
+E2E_BACKENDS_ARGS ?=
+e2e-backends:  ## end to end: on a CUDA machine, GLM-5.3's sparse-MLA backends side by side (E2E_BACKENDS_ARGS=…)
+	if compgen -G 'build/e2e/*/' > /dev/null; then bash tests/e2e/run.sh unpack build/e2e/*/; fi
+	bash tests/e2e/run.sh backends $(E2E_BACKENDS_ARGS)
 
 clean:  ## remove build outputs (keeps the download cache)
 	rm -rf build $(VENV) $(LANE)

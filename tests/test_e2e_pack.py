@@ -405,13 +405,20 @@ def test_run_sh_unpacks_what_the_pack_writes(tmp_path: Path) -> None:
         "tilelang/__init__.py": b"import z3\n",
         "z3/lib/libz3.so": ELF_HEADER + rng.randbytes(3000),
     }
+    flashinfer = {
+        "flashinfer/__init__.py": b"",
+        "flashinfer/data/csrc/batch_mla.cu": rng.randbytes(2000),
+        "flashinfer_python-9.0.dist-info/METADATA": b"Name: flashinfer-python\n",
+    }
     release, extra = out / "vllm-9.9.9", out / "ext-9.9.9"
     pack(cache, tree, release / "vllm.tar.xz")
     pack(cache, site, release / "site.tar.xz")
     pack(cache, extension, extra / "ext.tar.xz")
+    pack(cache, flashinfer, out / "flashinfer-9.0" / "flashinfer.tar.xz", archive.FAST)
     (release / "pack.json").write_text(
-        json.dumps({"cute_dsl_version": "1.0", "extension_carry": {"name": extra.name}})
-    )
+        json.dumps({"cute_dsl_version": "1.0", "extension_carry": {"name": extra.name},
+                    "flashinfer_carry": {"name": "flashinfer-9.0"}})
+    )  # fmt: skip
     whole = tmp_path / "libs" / "cute-dsl-libs.tar.xz"
     pack(cache, libs, whole, archive.FAST)
     folders = parts.split(whole, out, "deps-1.0", whole.stat().st_size // 3 + 1)
@@ -421,13 +428,15 @@ def test_run_sh_unpacks_what_the_pack_writes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert read_tree(store / "vllm-9.9.9" / "tree") == tree
     assert read_tree(store / "deps-1.0" / "site") == site  # the libraries wait for their parts
-    assert matrix.missing_carries(store, "9.9.9") == ["ext-9.9.9"]
-    done = run_sh(store, folders[1], extra, folders[2])
+    assert matrix.missing_carries(store, "9.9.9") == ["ext-9.9.9", "flashinfer-9.0"]
+    done = run_sh(store, folders[1], extra, folders[2], out / "flashinfer-9.0")
     assert done.returncode == 0, done.stderr
     assert read_tree(store / "ext-9.9.9" / "tree") == extension
     assert read_tree(store / "deps-1.0" / "site") == site | libs
+    assert read_tree(store / "flashinfer-9.0" / "site") == flashinfer
     assert not (store / "deps-1.0" / "cute-dsl-libs.tar.xz").exists()
     assert matrix.missing_carries(store, "9.9.9") == []
+    assert str(store / "flashinfer-9.0" / "site") in matrix.site_paths(store, "9.9.9")
     stack_tree, _ = matrix.prepare(store, tmp_path / "work", "9.9.9", "pristine")
     assert read_tree(stack_tree) == tree | extension
 
@@ -489,3 +498,17 @@ def test_wheels_already_cached_are_taken_without_asking_the_index(
         "loguru-0.7.3-py3-none-any.whl",
     ]
     assert asked == [("loguru==0.7.3", "einops==0.8.2")]
+
+
+def test_flashinfer_travels_at_the_images_pin() -> None:
+    """The FlashInfer carry's version is the one the image installs with the release (its
+    hash lock), for every release the catalog supports; no lock, no pin."""
+    from mla_serve.patching import catalog
+    from tests.e2e import pack as e2e_pack
+
+    for release in catalog.load().releases:
+        lock = (ROOT / "docker" / "locks" / f"vllm-{release}.txt").read_text()
+        pinned = e2e_pack.image_pin(release, e2e_pack.FLASHINFER)
+        assert pinned is not None and f"\nflashinfer-python=={pinned} " in lock
+    assert e2e_pack.image_pin("0.33.0", e2e_pack.FLASHINFER) == "0.7.2.post1"
+    assert e2e_pack.image_pin("9.9.9", e2e_pack.FLASHINFER) is None

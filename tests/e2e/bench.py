@@ -504,7 +504,7 @@ class Bench:
         if time.monotonic() + estimate > self.deadline:
             self.skipped.append(f"c={concurrency} round {number + 1}: time budget spent")
             return False
-        names = [n for n in PATHS if n in self.paths]
+        names = list(self.paths)  # in the order they were given (bench: PATHS order)
         order = names[number % len(names) :] + names[: number % len(names)]
         began = time.monotonic()
         results = {}

@@ -6,7 +6,8 @@ SPEC is `release:layout:state`, e.g. `0.29.0:b200-tp1-pcp4-dcp4:pristine`; the l
 are the pack's layouts.json (the Helm profiles' command lines, tests/e2e/layouts.py).
 The store is what `run.sh unpack` laid out: vllm-<release>/ (tree, CuTe DSL, wheels),
 ext-<release>/ (its MoE and KDA modules), deps-<version>/ (the CuTe DSL's libraries,
-TileLang), common/ (wheels, models, layouts.json).
+TileLang), flashinfer-<version>/ (the image's FlashInfer), common/ (wheels, models,
+layouts.json).
 
 Per stack: its own copy of the release's tree (the fix series applied by `mla-serve
 patches apply`, as the image build does, or left pristine), ports, HOME and GPUs.
@@ -47,9 +48,11 @@ BINDING_CHECK = "import vllm.third_party.deep_gemm"
 
 def site_paths(store: Path, release: str) -> list[str]:
     """What the release's processes import besides its tree: the CuTe DSL and quack at its
-    pins (one site directory per DSL version), the light wheels."""
+    pins (one site directory per DSL version), FlashInfer at the image's pin, the light
+    wheels."""
     meta = json.loads((store / f"vllm-{release}" / "pack.json").read_text())
     site = store / f"deps-{meta['cute_dsl_version']}" / "site"
+    flashinfer = meta.get("flashinfer_carry")
     # The DSL's .pth adds dsl_packages, but only site directories read .pth files. The
     # checkout comes first: the carried mla-serve wheel in common/site gives the entry
     # points (console script, vLLM plugin), the code under test is this checkout's.
@@ -57,6 +60,7 @@ def site_paths(store: Path, release: str) -> list[str]:
         str(ROOT),
         str(site),
         str(site / "nvidia_cutlass_dsl" / "dsl_packages"),
+        *([str(store / flashinfer["name"] / "site")] if flashinfer else []),
         str(store / "common" / "site"),
     ]
 
@@ -77,10 +81,14 @@ def deep_gemm_loads(tree: Path, paths: list[str]) -> tuple[bool, str]:
 def missing_carries(store: Path, release: str) -> list[str]:
     """The release's carries `run.sh unpack` has not laid out in the store yet."""
     meta = json.loads((store / f"vllm-{release}" / "pack.json").read_text())
+    missing = []
     extension = meta.get("extension_carry")
     if extension and not (store / extension["name"] / "tree").is_dir():
-        return [extension["name"]]
-    return []
+        missing.append(extension["name"])
+    flashinfer = meta.get("flashinfer_carry")
+    if flashinfer and not (store / flashinfer["name"] / "site").is_dir():
+        missing.append(flashinfer["name"])
+    return missing
 
 
 def prepare(store: Path, work: Path, release: str, state: str) -> tuple[Path, dict[str, Any]]:

