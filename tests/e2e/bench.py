@@ -466,13 +466,15 @@ class Bench:
         before = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
         if self.engine_pid:  # vLLM's API server alone (not its engine core, which polls)
             before["vllm_api_server"] = cpu_of(self.engine_pid, tree=False)
+        engine = self.before_run(path)
         run = self.clients.run(
             path.url, self.model, self.bodies, order, concurrency, self.left(300)
         )
+        engine = self.after_run(path, engine)
         after = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
         if self.engine_pid:
             after["vllm_api_server"] = cpu_of(self.engine_pid, tree=False)
-        result = figures(run)
+        result = figures(run) | engine
         result["cpu_s"] = {
             name: {k: round(after[name][k] - before[name][k], 4) for k in before[name]}
             for name in before
@@ -495,6 +497,14 @@ class Bench:
                 and result["sidecar_runaways_counted"] == result["runaways_seen"]
             )
         return result
+
+    def before_run(self, path: Path_) -> dict[str, Any]:
+        """What a subclass reads just before a path's timed requests (after the warm-up)."""
+        return {}
+
+    def after_run(self, path: Path_, before: dict[str, Any]) -> dict[str, Any]:
+        """Figures a subclass adds to the path's round from what it read before."""
+        return {}
 
     def round(self, concurrency: int, requests: int) -> bool:
         """One interleaved round at `concurrency`; False (and noted) when time is short."""
