@@ -42,6 +42,7 @@ CASES: dict[str, list[Path]] = {
     ],
     "multinode-nvl72": [PROFILES_DIR / "gb300-tp4.yaml", VALUES_DIR / "multinode-nvl72.yaml"],
     "multinode-dp": [PROFILES_DIR / "dsv4-flash.yaml", VALUES_DIR / "multinode-dp.yaml"],
+    "hopper-gb300-tp4": [PROFILES_DIR / "gb300-tp4.yaml", VALUES_DIR / "hopper.yaml"],
 }
 
 
@@ -238,6 +239,7 @@ ASPECTS: dict[str, Callable[[list[dict[str, Any]], str], dict[str, Any]]] = {
     "passthrough-off-b200-tp2-pcp2": _passthrough_off,
     "multinode-nvl72": _multinode,
     "multinode-dp": _multinode,
+    "hopper-gb300-tp4": _profile,
 }
 
 

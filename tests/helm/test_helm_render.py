@@ -32,10 +32,13 @@ from tests.helm.helm_support import (
     UPDATE_GOLDEN,
     case_documents,
     case_values,
+    documents,
     find,
     flags,
     goldens,
     kinds,
+    merge,
+    render,
     sidecar_container,
     versionless,
     vllm_container,
@@ -509,3 +512,40 @@ def test_helm_test_hook_pod() -> None:
     assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "test"
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["MLA_SERVE_TEST_URL"] == f"http://{RELEASE}-mla-serve.{NAMESPACE}.svc:8000"
+
+
+HOPPER = {"gpu": {"product": "NVIDIA-H200", "arch": "amd64", "perNode": 8, "memoryGiB": 139.8}}
+
+
+@pytest.mark.parametrize(
+    ("change", "backend"),
+    [
+        ({}, "FLASH_ATTN_MLA_SPARSE"),
+        ({"gpu": {"product": "NVIDIA-H100-80GB-HBM3"}}, "FLASH_ATTN_MLA_SPARSE"),
+        ({"gpu": {"product": "NVIDIA-GH200-480GB", "arch": "arm64"}}, "FLASH_ATTN_MLA_SPARSE"),
+        ({"model": {"name": "/models/glm-5.3-flash"}}, "FLASH_ATTN_MLA_SPARSE"),
+        ({"vllm": {"kvCacheDtype": "bfloat16"}}, "FLASH_ATTN_MLA_SPARSE"),
+        # the user's choice wins
+        (
+            {"vllm": {"attentionBackend": "FLASHINFER_MLA_SPARSE_SM90"}},
+            "FLASHINFER_MLA_SPARSE_SM90",
+        ),
+        # where FLASH_ATTN_MLA_SPARSE would refuse the layout (vLLM 0.33.0's supports_combination)
+        ({"vllm": {"kvCacheDtype": "fp8_ds_mla"}}, None),
+        ({"parallelism": {"tensor": 2, "decodeContext": 2}}, None),
+        # not Hopper, not GLM-5.3
+        ({"gpu": {"product": "NVIDIA-GB300", "arch": "arm64", "perNode": 4}}, None),
+        ({"gpu": {"product": "NVIDIA-B200"}}, None),
+        ({"gpu": {"product": ""}}, None),
+        ({"model": {"name": "deepseek-ai/DeepSeek-V4-Flash"}}, None),
+    ],
+)
+def test_glm53_on_hopper_takes_the_faster_sparse_mla_backend(
+    change: dict[str, Any], backend: str | None
+) -> None:
+    """GLM-5.3 on Hopper runs FLASH_ATTN_MLA_SPARSE unless the values say otherwise or the
+    layout is one that backend refuses; everywhere else the chart leaves vLLM's choice."""
+    values = merge(merge(case_values("profile-gb300-tp4"), HOPPER), change)
+    pod = find(documents(render(values)), "Deployment")["spec"]["template"]["spec"]
+    args = flags(vllm_container(pod))
+    assert args.get("--attention-backend") == backend

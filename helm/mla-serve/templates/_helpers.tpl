@@ -122,6 +122,28 @@ mla-serve.io/profile: {{ . }}
 {{- end -}}
 
 {{/*
+The --attention-backend the pod passes: vllm.attentionBackend, else FLASH_ATTN_MLA_SPARSE for
+GLM-5.3 on Hopper (H100/H200/H800/H20/GH200) where that backend takes the layout (no DCP, a
+16-bit KV cache: its supports_combination in vLLM 0.33.0), else "" (vLLM's own choice).
+vLLM 0.33.0 (platforms/cuda.py) tries FLASHINFER_MLA_SPARSE_SM90 first on SM90 for GLM-5.3's
+NoPE MLA (head size 512) when the image's FlashInfer has the kernel, which it has (0.7.2.post1);
+measured on one H200 with the tiny GLM-5.3 (results/e2e/backends-h200), FLASH_ATTN_MLA_SPARSE
+is faster (vllm#56564 reports 36-70 % on the real model). Set vllm.attentionBackend to keep
+FlashInfer's.
+*/}}
+{{- define "mla-serve.attentionBackend" -}}
+{{- $v := .Values.vllm -}}
+{{- $hopper := regexMatch "^NVIDIA-(H100|H200|H800|H20|GH200)([-_].*)?$" (toString .Values.gpu.product) -}}
+{{- $glm53 := regexMatch "(?i)glm-?5[.]3" (toString .Values.model.name) -}}
+{{- $sixteenBit := has (toString $v.kvCacheDtype) (list "" "auto" "float16" "bfloat16") -}}
+{{- if $v.attentionBackend -}}
+{{- $v.attentionBackend -}}
+{{- else if and $hopper $glm53 $sixteenBit (eq (int .Values.parallelism.decodeContext) 1) -}}
+FLASH_ATTN_MLA_SPARSE
+{{- end -}}
+{{- end -}}
+
+{{/*
 vLLM flags from the typed values and the parallelism block, one list item per flag.
 Flags that only multi-node pods need are added by the pod template.
 */}}
@@ -160,7 +182,7 @@ Flags that only multi-node pods need are added by the pod template.
 {{- with $v.kvCacheDtype }}
 - --kv-cache-dtype={{ . }}
 {{- end }}
-{{- with $v.attentionBackend }}
+{{- with include "mla-serve.attentionBackend" . }}
 - --attention-backend={{ . }}
 {{- end }}
 {{- with $v.dcpCommBackend }}
