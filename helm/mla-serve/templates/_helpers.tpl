@@ -126,10 +126,11 @@ The --attention-backend the pod passes: vllm.attentionBackend, else FLASH_ATTN_M
 GLM-5.3 on Hopper (H100/H200/H800/H20/GH200) where that backend takes the layout (no DCP, a
 16-bit KV cache: its supports_combination in vLLM 0.33.0), else "" (vLLM's own choice).
 vLLM 0.33.0 (platforms/cuda.py) tries FLASHINFER_MLA_SPARSE_SM90 first on SM90 for GLM-5.3's
-NoPE MLA (head size 512) when the image's FlashInfer has the kernel, which it has (0.7.2.post1);
-measured on one H200 with the tiny GLM-5.3 (results/e2e/backends-h200), FLASH_ATTN_MLA_SPARSE
-is faster (vllm#56564 reports 36-70 % on the real model). Set vllm.attentionBackend to keep
-FlashInfer's.
+NoPE MLA (head size 512) when the image's FlashInfer has the kernel, which it has (0.7.2.post1).
+Measured on one H200 with the tiny GLM-5.3 (results/e2e/backends-h200), its decode step takes
+1.23x FLASH_ATTN_MLA_SPARSE's at 16 streams and 1.40x at 64 (throughput 0.85x, 0.71x); at one
+stream neither is ahead. vllm#56564 reports 36-70 % on the real model. Set
+vllm.attentionBackend to keep FlashInfer's.
 */}}
 {{- define "mla-serve.attentionBackend" -}}
 {{- $v := .Values.vllm -}}
