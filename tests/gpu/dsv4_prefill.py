@@ -10,7 +10,7 @@ tree under test first on PYTHONPATH.
   release's prefill triggers when it launches an empty chunk).
 - `kernel-stale-indices`: the kernel with entries past each row's `topk_length` set to -1,
   to an index into NaN rows of the KV, and past the KV (vllm#55299: what an unseeded index
-  workspace does to the output).
+  workspace does to the output), and the control: the same NaN rows inside `topk_length`.
 - `forward-prefill`: a SWA-only DeepSeek-V4 layer's `_forward_prefill` over a prefill step
   of five requests after a 3,996-token prefix, four with 4 query tokens and one with none
   (its KV still being loaded): the plan puts that one in a chunk of its own.
@@ -57,26 +57,29 @@ def kernel_empty_query() -> None:
 
 def kernel_stale_indices() -> None:
     """vllm#55299's question for the kernel: what do index entries past a row's topk_length
-    do? FlashMLA's interface says it ignores them in the result but still loads a KV row
-    they name below s_kv (a NaN there makes the output NaN), and takes -1 or >= s_kv as
-    invalid. Each row has 64 valid entries into a 256-row KV whose rows 64.. hold NaN (a
-    gather area a chunk did not write); the rest of each row is -1 (a seeded workspace),
-    then 200 (an earlier chunk's index into this KV), then 1 << 28 (one past it)."""
+    do? vLLM's DeepSeek-V4 prefill passes `topk_length` (combined_lens). Each row has 64
+    valid entries into a 256-row KV whose rows 64.. hold NaN (a gather area a chunk did not
+    write); the rest of each row is -1 (a seeded workspace), then 200 (an earlier chunk's
+    index into this KV), then 1 << 28 (past it). The control names row 200 inside the
+    length, to show a NaN row that is read reaches the output."""
     fwd = kernel()
     rows, topk, valid = 16, 128, 64
     generator = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=generator, device="cuda").to(torch.bfloat16)
     kv = torch.randn(256, 1, HEAD_DIM, generator=generator, device="cuda").to(torch.bfloat16)
     kv[valid:] = float("nan")
-    lengths = torch.full((rows,), valid, dtype=torch.int32, device="cuda")
-    for fill, name in ((-1, "seeded"), (200, "stale-in-kv"), (1 << 28, "stale-past-kv")):
+    print(f"capability sm{''.join(map(str, torch.cuda.get_device_capability()))}", flush=True)
+    cases = ((-1, valid, "seeded"), (200, valid, "stale-in-kv"),
+             (1 << 28, valid, "stale-past-kv"), (200, valid + 1, "control-in-length"))  # fmt: skip
+    for fill, length, name in cases:
         indices = torch.full((rows, 1, topk), fill, dtype=torch.int32, device="cuda")
         indices[:, 0, :valid] = torch.arange(valid, dtype=torch.int32, device="cuda")
+        lengths = torch.full((rows,), length, dtype=torch.int32, device="cuda")
         print(f"launch {name} rows={rows}", flush=True)
         out = fwd(q=q, kv=kv, indices=indices, sm_scale=HEAD_DIM**-0.5, d_v=HEAD_DIM,
                   topk_length=lengths)  # fmt: skip
         torch.cuda.synchronize()
-        output = out[0] if isinstance(out, tuple) else out
+        output = out[0] if isinstance(out, (tuple, list)) else out
         print(f"returned {name} finite={bool(torch.isfinite(output).all())}", flush=True)
 
 

@@ -62,3 +62,24 @@ def test_dsv4_prefill_with_a_request_without_query_tokens(expect, record_propert
     assert code == 0, output
     assert launches(output) == [16], output  # every query row, in one launch
     assert "output rows=16 zero=True" in output, output
+
+
+def test_sparse_prefill_ignores_index_entries_past_topk_length(expect, record_property):
+    """vllm#55299's question for the kernel (`dsv4-prefill-index-seed`): do the entries of an
+    unseeded index workspace past a row's `topk_length` (which vLLM's DeepSeek-V4 prefill
+    passes) reach the output? Measured on SM90 (one H200): no. -1 (what the fix seeds), a
+    stale index into NaN rows of the KV and one past the KV all leave the output finite, and
+    no launch faults. The control names the same NaN row inside the length: a NaN row that
+    is read does reach the output, so the finite cases are not a kernel that masks NaN."""
+    expect.fixed("dsv4-prefill-index-seed")  # skips where the release has no such workspace
+    code, output = run_case("kernel-stale-indices")
+    record_property("child_exit", code)
+    record_property("child_output_tail", output[-2000:])
+    assert code == 0, output
+    assert "returned control-in-length finite=False" in output, output
+    assert "returned seeded finite=True" in output, output
+    if "capability sm90" not in output:
+        # SM100's kernel was not measured: the seeded case is the fix's contract there
+        return
+    assert "returned stale-in-kv finite=True" in output, output
+    assert "returned stale-past-kv finite=True" in output, output
