@@ -60,6 +60,7 @@ from typing import Any
 
 from mla_serve.patching import catalog
 from tests.bench.passthrough.envoy import envoy_config
+from tests.e2e import timeline
 from tests.e2e.model import DEEPSEEK_V32, MODELS, THINK_END, Tiny
 from tests.http_server import free_port
 
@@ -316,7 +317,7 @@ class Clients:
 
     def run(
         self, url: str, model: str, bodies: list[dict[str, Any]], order: list[int],
-        concurrency: int, deadline: float,
+        concurrency: int, deadline: float, trace: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         """The requests of `order` at `concurrency` streams, split over the clients."""
         count = min(len(self.procs), max(1, math.ceil(concurrency / STREAMS_PER_CLIENT)))
@@ -325,7 +326,8 @@ class Clients:
         for proc, share, streams_here in zip(self.procs, shares, streams, strict=False):
             assert proc.stdin is not None
             command = {"url": url, "model": model, "bodies": bodies, "order": share,
-                       "concurrency": streams_here, "deadline": deadline}  # fmt: skip
+                       "concurrency": streams_here, "deadline": deadline,
+                       "trace": trace}  # fmt: skip
             proc.stdin.write(json.dumps(command) + "\n")
         cpu0 = [cpu_of(proc.pid)["stat_s"] for proc in self.procs[:count]]
         answers = []
@@ -443,6 +445,8 @@ class Bench:
         self.series: dict[int, list[dict[str, Any]]] = {}
         self.round_s: dict[int, float] = {}
         self.skipped: list[str] = []
+        self.trace = False  # the requests carry ids for the socket timeline (timeline.py)
+        self.traced: list[dict[str, Any]] = []  # each traced request: rid, path, times
 
     def left(self, most: float) -> float:
         """A round's own deadline: at most `most` s, and never far past the bench's budget (a
@@ -468,8 +472,11 @@ class Bench:
             before["vllm_api_server"] = cpu_of(self.engine_pid, tree=False)
         engine = self.before_run(path)
         run = self.clients.run(
-            path.url, self.model, self.bodies, order, concurrency, self.left(300)
+            path.url, self.model, self.bodies, order, concurrency, self.left(300), self.trace
         )
+        if self.trace:
+            self.traced += [dict(r[9], path=path.name, concurrency=concurrency)
+                            for r in run["records"] if r[9]["t_token"] is not None]  # fmt: skip
         engine = self.after_run(path, engine)
         after = {p.name: cpu_of(p.pid) for p in self.proxies() if p.pid is not None}
         if self.engine_pid:
@@ -1085,6 +1092,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="C",
         help="after the rounds, profile the sidecar with py-spy at C streams",
     )
+    parser.add_argument(
+        "--socket-trace", type=Path, default=None, metavar="DIR",
+        help="preload tests/e2e/socktrace.c into every process started (clients, proxies, "
+             "vLLM's) writing into DIR, and add the per-request timeline of the first token "
+             "(timeline.py) to the results; such a run's CPU and latency figures carry the "
+             "trace's own cost",
+    )  # fmt: skip
     parser.add_argument("--model", default=None)
     parser.add_argument(
         "--bodies",
@@ -1156,6 +1170,14 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    if args.socket_trace is not None:  # before anything starts: every process inherits it
+        trace_dir = args.socket_trace.resolve()
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            library = timeline.build(work / "socktrace.so")
+        except RuntimeError as error:
+            parser.error(f"--socket-trace: {error}")
+        os.environ.update(timeline.preload(library, trace_dir))
     started = Started()
     stack = None
     clients: Clients | None = None
@@ -1209,6 +1231,10 @@ def main(argv: list[str] | None = None) -> int:
         reserve = 15.0  # writing results and stopping
         bench = Bench(paths, model, bodies, clients, began + args.budget_s - reserve, warmup,
                       args.thinking_every)  # fmt: skip
+        bench.trace = args.socket_trace is not None
+        if bench.trace:
+            result["what"] += ("; SOCKET-TRACED (tests/e2e/socktrace.c in every process: its "
+                               "figures carry the trace's cost)")  # fmt: skip
         bench.engine_pid = args.upstream_pid or result["http_stacks"].get(
             "vllm_api_server", {}
         ).get("pid")
@@ -1218,6 +1244,13 @@ def main(argv: list[str] | None = None) -> int:
         result["pass_through"] = {
             name: pass_through(paths[name].admin_url) for name in SIDECARS if name in paths
         }
+        if bench.trace:
+            ports = {name: int(p.url.rsplit(":", 1)[1]) for name, p in paths.items()}
+            traced = timeline.analyse(args.socket_trace.resolve(), ports, bench.traced)
+            document = {"ports": ports, "records": bench.traced} | traced
+            (results / "socket-timeline.json").write_text(json.dumps(document) + "\n")
+            (results / "socket-timeline.md").write_text(timeline.table(traced))
+            result["socket_timeline"] = {k: v for k, v in traced.items() if k != "rows"}
         if args.profile and py_spy is not None:
             result["profile"] = profile(
                 py_spy,

@@ -10,7 +10,9 @@ per request [time to first token s, time to first chunk s, duration s, chunks, c
 tokens, finish reason, runaway as the client sees it, error or null, gaps between tokens in
 microseconds], and the window (monotonic clock, shared by every process of the machine).
 `{"quit": true}` ends the process. One client per URL is kept across commands, so rounds
-reuse their keep-alive connections.
+reuse their keep-alive connections. With `"trace": true` each request carries an id in its
+body (`user`: `mlasrid` and 32 hex digits) and its record ends with {rid, t0, t_token} (the
+call and the first token on the monotonic clock), for the socket timeline (timeline.py).
 
 A token is a chunk whose delta carries content or reasoning (vLLM sends one token a chunk);
 the time to first token runs from the call to the first such chunk; the gaps are between
@@ -24,6 +26,7 @@ import asyncio
 import json
 import sys
 import time
+import uuid
 from typing import Any
 
 import httpx2
@@ -46,7 +49,11 @@ def client_for(url: str, timeout: float) -> openai.AsyncOpenAI:
     return CLIENTS[url]
 
 
-async def one(client: openai.AsyncOpenAI, body: dict[str, Any]) -> list[Any]:
+async def one(client: openai.AsyncOpenAI, body: dict[str, Any], trace: bool = False) -> list[Any]:
+    rid = None
+    if trace:
+        rid = f"mlasrid{uuid.uuid4().hex}"
+        body = dict(body, user=rid)
     began = time.monotonic()
     first_chunk = first_token = last_token = None
     gaps: list[int] = []
@@ -83,17 +90,21 @@ async def one(client: openai.AsyncOpenAI, body: dict[str, Any]) -> list[Any]:
         error = f"{type(exc).__name__}: {str(exc)[:200]}"
     end = time.monotonic()
     runaway = finish == "length" and not visible and not tool_calls
-    return [
+    record = [
         None if first_token is None else first_token - began,
         None if first_chunk is None else first_chunk - began,
         end - began, chunks, tokens, finish, runaway, error, gaps,
     ]  # fmt: skip
+    if trace:
+        record.append({"rid": rid, "t0": began, "t_token": first_token})
+    return record
 
 
 async def run(command: dict[str, Any]) -> dict[str, Any]:
     client = client_for(command["url"], float(command.get("timeout", 120)))
     bodies = [dict(body, model=command["model"]) for body in command["bodies"]]
     order: list[int] = list(command["order"])
+    trace = bool(command.get("trace"))
     records: list[list[Any] | None] = [None] * len(order)
     position = 0
 
@@ -102,7 +113,7 @@ async def run(command: dict[str, Any]) -> dict[str, Any]:
         while position < len(order):
             index = position
             position += 1
-            records[index] = await one(client, bodies[order[index]])
+            records[index] = await one(client, bodies[order[index]], trace)
 
     began = time.monotonic()
     tasks = [worker() for _ in range(min(int(command["concurrency"]), len(order)))]
