@@ -365,12 +365,10 @@ def _check_protocol(data: bytes, out: bytes, kind: str = "httptools") -> None:
             break  # nothing refused, or the connection ended with the last request read
         start = read.starts[len(read.messages)]
         # RFC 9112 section 2.2: a server SHOULD ignore empty lines before a request line;
-        # httptools does (any number, CRLF or LF), h11 refuses them
-        if kind == "httptools" and read.refused == "no request line received":
-            empty = 2 if data.startswith(b"\r\n", start) else int(data.startswith(b"\n", start))
-            if not empty:
-                break
-            data = data[:start] + data[start + empty :]
+        # httptools (llhttp) skips every CR and LF there, h11 refuses them
+        rest = data[start:]
+        if kind == "httptools" and rest[:1] in (b"\r", b"\n"):
+            data = data[:start] + rest.lstrip(b"\r\n")
             read = reference.read_requests(data)
             continue
         # RFC 9112 section 3: a request line's words MAY be split on any whitespace
