@@ -1280,6 +1280,12 @@ def main(argv: list[str] | None = None) -> int:
                      "timeouts off",
         }  # fmt: skip
         conclude(result, bench)
+        found = result.get("socket_timeline")
+        if found is not None and (found["incomplete"] or found["matched"] < found["requests"]):
+            result["checks"]["problems"].append(
+                f"socket trace: {found['matched']} of {found['requests']} requests found on "
+                f"every connection they crossed, {found['incomplete']} of them without a mark"
+            )
         status = 1 if result["checks"]["problems"] else 0
     except Exception as error:  # the run's failure goes into bench.json, with what was measured
         result["error"] = f"{type(error).__name__}: {error}"

@@ -2,7 +2,7 @@
 from the socket reads and writes every process made (tests/e2e/socktrace.c, preloaded into
 the clients, the proxies and vLLM's API server by `bench.py --socket-trace`).
 
-    python -m tests.e2e.timeline TRACE_DIR PORTS_JSON    # the report of a traced run, again
+    python -m tests.e2e.timeline TRACE_DIR socket-timeline.json   # a traced run's table again
 
 Each request carries its id in its body (`user`, `mlasrid` and 32 hex digits; every proxy
 passes a body as it came), so its exchange is found on every connection it crossed: the
@@ -13,11 +13,12 @@ chunk's end (the first server-sent event whose delta carries content or reasonin
 client counts a token). The time of each mark on a side is that of the read or write that
 moved its last byte. The parts of the time to first token, which add up to it:
 
-- `client_send`: the client's call to its write of the request (the openai client's work);
-- `to_proxy`, `proxy_request`, `to_vllm`: the request's way in (loopback and the receiver's
-  wake-up, the proxy's handling until its write to vLLM, loopback and vLLM's wake-up; direct:
-  `to_vllm` only);
-- `vllm`: vLLM's read of the request to its write of the first token chunk;
+- `client_send`: the client's call to its write of the request's last byte (the openai
+  client's work: it may write the head and the body apart, with other streams' work between);
+- `to_proxy`, `proxy_request`, `to_vllm`: the request's last byte on its way in (loopback and
+  the receiver's wake-up, the proxy's handling until its write of it to vLLM, loopback and
+  vLLM's wake-up; direct: `to_vllm` only);
+- `vllm`: vLLM's read of the request's last byte to its write of the first token chunk;
 - `to_proxy_back`, `proxy_response`, `to_client`: the token's way out (vLLM's write to the
   proxy's read, the proxy's read to its write, its write to the client's read);
 - `client_parse`: the client's read to its openai stream yielding the chunk.
@@ -141,6 +142,12 @@ class Exchange:
     @property
     def began(self) -> float:
         return self.request[0].t
+
+    @property
+    def sent(self) -> float:
+        """When the request's last byte moved on this side (a client may write its head and
+        body apart, and a proxy pass the head on before the body is in)."""
+        return self.request[-1].t
 
 
 def sides(events: list[Event], servers: set[int]) -> dict[tuple[int, int, int], Side]:
@@ -314,7 +321,7 @@ def analyse(
             continue
         row: dict[str, Any] = {"rid": rid, "path": path, "concurrency": record["concurrency"]}
         c, v = mark_times(client.response), mark_times(vllm.response)
-        times = {"t0": record["t0"], "c_req": client.began, "v_req": vllm.began,
+        times = {"t0": record["t0"], "c_req": client.sent, "v_req": vllm.sent,
                  "t_token": record["t_token"]}  # fmt: skip
         times |= {f"v_{k}": t for k, t in v.items()} | {f"c_{k}": t for k, t in c.items()}
         v_writes = [e for e in vllm.response if e.t <= v.get("token", float("-inf"))]
@@ -327,7 +334,7 @@ def analyse(
                 unmatched.append(rid)
                 continue
             p_out, p_up = mark_times(inbound.response), mark_times(upstream.response)
-            times |= {"p_in_req": inbound.began, "p_up_req": upstream.began}
+            times |= {"p_in_req": inbound.sent, "p_up_req": upstream.sent}
             times |= {f"p_out_{k}": t for k, t in p_out.items()}
             times |= {f"p_up_{k}": t for k, t in p_up.items()}
             row["nodelay"] |= {"proxy_in": inbound.side.nodelay, "proxy_up": upstream.side.nodelay}
@@ -359,6 +366,7 @@ def analyse(
         "requests": len(records),
         "matched": len(rows),
         "unmatched": len(unmatched),
+        "incomplete": sum("missing" in row for row in rows),  # a mark not found on a side
         "events": len(events),
         "dropped": dropped,
         "upstream_connects": {f"{p}@{c}": n for (p, c), n in sorted(connects.items())},
@@ -454,8 +462,18 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    spec = json.loads(Path(argv[1]).read_text())
-    result = analyse(Path(argv[0]), spec["ports"], spec["records"])
+    trace_dir, document = Path(argv[0]), Path(argv[1])
+    if not any(trace_dir.glob("trace-*.bin")):
+        print(f"timeline: no trace-*.bin in {trace_dir}", file=sys.stderr)
+        return 1
+    try:
+        spec = json.loads(document.read_text())
+        ports, records = spec["ports"], spec["records"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"timeline: {document} is not a run's socket-timeline.json ({error})",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    result = analyse(trace_dir, ports, records)
     sys.stdout.write(table(result))
     return 0
 
