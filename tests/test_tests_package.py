@@ -26,6 +26,7 @@ SCRIPTS = [
     "tests.bench.bench_loops", "tests.bench.bench_replay", "tests.bench.passthrough.replay",
     "tests.bench.passthrough.upstream", "tests.bench.passthrough.floor",
     "tests.bench.bench_hot_path", "tests.gpu.dsv4_prefill", "tests.e2e.kv_suggestion",
+    "tests.e2e.timeline",
 ]  # fmt: skip
 
 

@@ -459,10 +459,13 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
-    trace_dir, document = Path(argv[0]), Path(argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(description="a traced live-bench run's timeline table")
+    parser.add_argument("trace_dir", type=Path, help="the run's --socket-trace DIR")
+    parser.add_argument("document", type=Path, help="the run's socket-timeline.json")
+    args = parser.parse_args(argv)
+    trace_dir, document = args.trace_dir, args.document
     if not any(trace_dir.glob("trace-*.bin")):
         print(f"timeline: no trace-*.bin in {trace_dir}", file=sys.stderr)
         return 1
