@@ -339,11 +339,9 @@ def analyse(
             times |= {f"p_up_{k}": t for k, t in p_up.items()}
             row["nodelay"] |= {"proxy_in": inbound.side.nodelay, "proxy_up": upstream.side.nodelay}
             connected = upstream.side.connected
-            row["new_upstream_connection"] = bool(
-                connected is not None and inbound.began <= connected <= upstream.began
-            )
-            if connected is not None and inbound.began <= connected <= upstream.began:
-                connects[(path, record["concurrency"])] += 1
+            fresh = connected is not None and inbound.began <= connected <= upstream.began
+            row["new_upstream_connection"] = fresh  # opened for this request
+            connects[(path, record["concurrency"])] += fresh
             token_read = next((e for e in upstream.response if e.t == times.get("p_up_token")),
                               None)  # fmt: skip
             if token_read is not None:
@@ -369,7 +367,7 @@ def analyse(
         "incomplete": sum("missing" in row for row in rows),  # a mark not found on a side
         "events": len(events),
         "dropped": dropped,
-        "upstream_connects": {f"{p}@{c}": n for (p, c), n in sorted(connects.items())},
+        "upstream_connects": {f"{p}@{c}": n for (p, c), n in sorted(connects.items()) if n},
         "summary": summarize(rows),
         "rows": rows,
     }
