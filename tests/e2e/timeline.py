@@ -190,8 +190,8 @@ def exchanges(side: Side) -> list[Exchange]:
 
 
 def _dechunk(body: bytes) -> tuple[bytes, list[int]] | None:
-    """Chunked coding's payloads joined, and for each payload byte its offset in `body`; None
-    where the captured bytes end inside a size line."""
+    """Chunked coding's payloads joined, and for each payload byte its offset in `body` (as far
+    as the captured bytes go); None where a size line is not hex."""
     payload, where, at = bytearray(), list[int](), 0
     while at < len(body):
         end = body.find(b"\r\n", at)
