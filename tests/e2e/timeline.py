@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import struct
 import subprocess
@@ -56,8 +57,11 @@ PARTS = ("client_send", "to_proxy", "proxy_request", "to_vllm", "vllm", "to_prox
 
 
 def build(out: Path) -> Path:
-    """socktrace.c compiled into `out` with the compiler CPython was built with."""
-    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    """socktrace.c compiled into `out` with the compiler CPython was built with, or the
+    machine's `cc` or `gcc` where that one is not installed (a conda Python names its own)."""
+    named = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    choices = [named, ["cc"], ["gcc"]]
+    compiler = next((c for c in choices if shutil.which(c[0])), named)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = [*compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-ldl"]
     try:
