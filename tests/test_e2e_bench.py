@@ -9,8 +9,10 @@ openai client, for one or two tiny rounds: so the harness is proven before a GPU
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -210,19 +212,32 @@ RECORDING = ROOT / "results/e2e/h200x2/0.33.0-tp1-patched/recorded_streams.json"
 REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
 
 
-def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path | None) -> None:
-    """The live run's own requests, answered with the bytes vLLM 0.33.0 sent for them on an
-    H200 (passthrough/replay.py, at their recorded pace): a thinking request streams no token
-    chunk there, and still counts as answered, and as a runaway."""
+@contextlib.contextmanager
+def replayed(env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    """vLLM 0.33.0's recorded streams served at their recorded pace (passthrough/replay.py,
+    its own process, `env` added to its environment): its URL and process id."""
     port = free_port()
     replay = subprocess.Popen(
         [*REPLAY, "serve", "--port", str(port), "--recordings", str(RECORDING)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+        env=os.environ | (env or {}),
     )  # fmt: skip
     try:
-        bench.wait_up(f"http://127.0.0.1:{port}/health", replay, 20, "the replay")
+        url = f"http://127.0.0.1:{port}"
+        bench.wait_up(f"{url}/health", replay, 20, "the replay")
+        yield url, replay.pid
+    finally:
+        replay.terminate()
+        replay.wait(timeout=10)
+
+
+def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path | None) -> None:
+    """The live run's own requests, answered with the bytes vLLM 0.33.0 sent for them on an
+    H200 (passthrough/replay.py, at their recorded pace): a thinking request streams no token
+    chunk there, and still counts as answered, and as a runaway."""
+    with replayed() as (url, _):
         argv = [
-            *BENCH, "--upstream-url", f"http://127.0.0.1:{port}",
+            *BENCH, "--upstream-url", url,
             "--bodies", "live", "--model", "tiny-deepseek-v3.2",
             "--results", str(tmp_path / "results"), "--work", str(tmp_path / "work"),
             "--levels", "2", "--rounds", "2=1",
@@ -232,9 +247,6 @@ def test_the_live_requests_on_vllms_recorded_streams(tmp_path: Path, envoy: Path
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=150, check=False, cwd=ROOT
         )
-    finally:
-        replay.terminate()
-        replay.wait(timeout=10)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     result = json.loads((tmp_path / "results" / "bench.json").read_text())
     for figures in result["series"]["2"][0]["paths"].values():

@@ -8,22 +8,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e import bench, timeline
-from tests.http_server import free_port
-from tests.test_e2e_bench import envoy_binary
-
-ROOT = Path(__file__).resolve().parents[1]
-RECORDING = ROOT / "results/e2e/h200x2/0.33.0-tp1-patched/recorded_streams.json"
-REPLAY = [sys.executable, "-m", "tests.bench.passthrough.replay"]
-BENCH = [sys.executable, "-m", "tests.e2e.bench"]
+from tests.e2e import timeline
+from tests.test_e2e_bench import BENCH, ROOT, envoy_binary, replayed
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +24,10 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trace = tmp / "trace"
     trace.mkdir()
     envoy = envoy_binary(tmp)
-    port = free_port()
-    replay = subprocess.Popen(
-        [*REPLAY, "serve", "--port", str(port), "--recordings", str(RECORDING)], cwd=ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-        env=os.environ | timeline.preload(library, trace),
-    )  # fmt: skip
-    try:
-        bench.wait_up(f"http://127.0.0.1:{port}/health", replay, 20, "the replay")
+    with replayed(timeline.preload(library, trace)) as (url, pid):
         argv = [
-            *BENCH, "--upstream-url", f"http://127.0.0.1:{port}", "--upstream-pid",
-            str(replay.pid), "--bodies", "live", "--model", "tiny-deepseek-v3.2",
+            *BENCH, "--upstream-url", url, "--upstream-pid", str(pid),
+            "--bodies", "live", "--model", "tiny-deepseek-v3.2",
             "--results", str(tmp / "results"), "--work", str(tmp / "work"),
             "--levels", "1,4", "--rounds", "1=2,4=1", "--requests", "1=4,4=8",
             "--budget-s", "120", "--socket-trace", str(trace),
@@ -52,9 +36,6 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=150, check=False, cwd=ROOT
         )
-    finally:
-        replay.terminate()
-        replay.wait(timeout=10)
     results = tmp / "results"
     return {
         "rc": done.returncode,

@@ -181,13 +181,15 @@ def exchanges(side: Side) -> list[Exchange]:
     start are its response (one request at a time on a connection: a closed-loop client, a
     proxy's pooled connection)."""
     asks, answers = (side.sent, side.received) if side.client else (side.received, side.sent)
+    answer_times = [e.t for e in answers]  # in time order, as `sides` gave them
     starts = [i for i, e in enumerate(asks) if REQUEST_LINE.match(e.data)]
     out = []
     for n, first in enumerate(starts):
         last = starts[n + 1] if n + 1 < len(starts) else len(asks)
         request = asks[first:last]
         until = asks[last].t if last < len(asks) else float("inf")
-        response = [e for e in answers if request[0].t <= e.t < until]
+        low = bisect.bisect_left(answer_times, request[0].t)
+        response = answers[low : bisect.bisect_left(answer_times, until, low)]
         found = RID.search(b"".join(e.data for e in request)[:16384])
         out.append(Exchange(side, found.group().decode() if found else None, request, response))
     return out
@@ -260,10 +262,9 @@ def mark_times(events: list[Event]) -> dict[str, float]:
     """When each mark's last byte moved on this side: the event covering its offset."""
     stream = bytearray()
     for event in events:
-        if len(event.data) < event.ret:  # the capture stops here: later offsets are unknown
-            stream += event.data
-            break
         stream += event.data
+        if len(event.data) < event.ret:  # the capture stops here: later offsets are unknown
+            break
     offsets = marks(bytes(stream))
     out, moved, index = {}, 0, 0
     for name in MARKS:
@@ -357,8 +358,9 @@ def analyse(
         need = ["c_req", "v_req", "v_token", "c_token", "t_token"]
         if path != "direct":
             need += ["p_in_req", "p_up_req", "p_up_token", "p_out_token"]
-        if any(times.get(k) is None for k in need):
-            row["missing"] = [k for k in need if times.get(k) is None]
+        missing = [k for k in need if times.get(k) is None]
+        if missing:
+            row["missing"] = missing
             rows.append(row)
             continue
         row["parts_ms"] = parts(times, path != "direct")
