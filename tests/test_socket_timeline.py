@@ -76,12 +76,18 @@ def test_the_parts_are_in_causal_order_and_add_up_to_the_ttft(traced):
         if row["path"] == "direct":
             proxied = ("to_proxy", "proxy_request", "to_proxy_back", "proxy_response")
             assert all(parts[k] == 0 for k in proxied), row
+            assert "proxy_token_in_role_write" not in row, row
         else:
             assert parts["proxy_request"] > 0 and parts["proxy_response"] > 0, row
+            assert isinstance(row["proxy_token_in_role_write"], bool), row
+        assert isinstance(row["client_token_in_role_read"], bool), row
     # vLLM's recorded stream: head, role chunk and first token chunk, each its own write
     summary = traced["timeline"]["summary"]
     assert summary["1"]["direct"]["vllm_writes_to_token"] >= 2
     sidecar = summary["1"]["sidecar"]
+    members = [r for r in rows if r["path"] == "sidecar" and r["concurrency"] == 1]
+    for key in ("client_token_in_role_read", "proxy_token_in_role_write"):
+        assert sidecar[key] == sum(r[key] for r in members)
     assert set(sidecar["added_ms"]) == {"ttft", *timeline.PARTS}
     assert sidecar["proxy_woke_to_read_us_p50"] >= 0
     assert "| 1 | sidecar - direct |" in traced["md"]

@@ -25,7 +25,11 @@ moved its last byte. The parts of the time to first token, which add up to it:
 
 Also: each process's wake-up (its last epoll return on the reading thread) before the read
 of the token, the connections opened per request, TCP_NODELAY on every side, and how vLLM
-split its writes (head, role chunk, token chunk: one write each, or fewer).
+split its writes (head, role chunk, token chunk: one write each, or fewer), and how many
+requests had the role chunk and the first token in one read or write on each side (vLLM's
+write, the proxy's read of vLLM and its write to the client, the client's read): a proxy
+that held the role chunk back until the token came would show here, and so would a client
+that reads both at once (its parse of the role chunk then counts in `client_parse`).
 """
 
 from __future__ import annotations
@@ -354,7 +358,9 @@ def analyse(
                 if wake is not None:
                     row["proxy_woke_to_read_us"] = round((token_read.t - wake) * 1e6, 1)
             row["proxy_token_in_role_read"] = times.get("p_up_token") == times.get("p_up_role")
+            row["proxy_token_in_role_write"] = times.get("p_out_token") == times.get("p_out_role")
         row["vllm_token_in_role_write"] = times.get("v_token") == times.get("v_role")
+        row["client_token_in_role_read"] = times.get("c_token") == times.get("c_role")
         need = ["c_req", "v_req", "v_token", "c_token", "t_token"]
         if path != "direct":
             need += ["p_in_req", "p_up_req", "p_up_token", "p_out_token"]
@@ -416,6 +422,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "parts_ms": median,
             "vllm_writes_to_token": statistics.median(r["vllm_writes_to_token"] for r in members),
             "vllm_token_in_role_write": sum(r["vllm_token_in_role_write"] for r in members),
+            "client_token_in_role_read": sum(r["client_token_in_role_read"] for r in members),
         }
         woke_us = [r["proxy_woke_to_read_us"] for r in members if "proxy_woke_to_read_us" in r]
         if woke_us:
@@ -423,6 +430,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if path != "direct":
             entry["new_upstream_connections"] = sum(r["new_upstream_connection"] for r in members)
             entry["proxy_token_in_role_read"] = sum(r["proxy_token_in_role_read"] for r in members)
+            entry["proxy_token_in_role_write"] = sum(
+                r["proxy_token_in_role_write"] for r in members
+            )
         off = {k for r in members for k, v in r["nodelay"].items() if not v}
         entry["nodelay_off"] = sorted(off)  # the sides without TCP_NODELAY
         out.setdefault(str(level), {})[path] = entry
